@@ -1,0 +1,58 @@
+"""Engine settings: one name per knob (CLI flag, env var HINTSERVE_<NAME>, field)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+
+import torch
+
+
+@dataclass
+class EngineConfig:
+    model: str = "models/demo-moe"
+    dtype: str = "auto"  # auto: float32 on CPU (bf16 matmuls are slow there), checkpoint dtype on CUDA
+    device: str = "cpu"
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 4096
+    block_size: int = 16
+    kv_cache_mb: int | None = None  # None: enough blocks for max_num_seqs full-length sequences, capped
+    seed: int = 0
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if not os.path.isdir(self.model):
+            raise FileNotFoundError(f"model directory not found: {self.model}")
+        if not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise FileNotFoundError(f"no config.json in model directory {self.model}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"unknown dtype {self.dtype!r}: use auto, float32, bfloat16 or float16")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"unknown device {self.device!r}: use cpu or cuda[:N]")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device cuda requested but CUDA is not available")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.kv_cache_mb is not None and self.kv_cache_mb < 1:
+            raise ValueError(f"kv_cache_mb must be positive, got {self.kv_cache_mb}")
+
+    def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+        if self.dtype != "auto":
+            return getattr(torch, self.dtype)
+        if self.device == "cpu" or checkpoint_dtype is None:
+            return torch.float32
+        return checkpoint_dtype
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> EngineConfig:
+        """Fields from HINTSERVE_<FIELD> environment variables, then explicit overrides."""
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            raw = os.environ.get(f"HINTSERVE_{f.name.upper()}")
+            if raw is None or f.name == "extra":
+                continue
+            values[f.name] = int(raw) if f.type in ("int", "int | None") else raw
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)  # type: ignore[arg-type]

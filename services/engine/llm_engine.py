@@ -1,0 +1,213 @@
+"""The synchronous engine: admission, the step loop (schedule -> run -> process outputs), abort, stats."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections import Counter
+
+from transformers import AutoTokenizer
+
+from services.engine.block_manager import BlockManager
+from services.engine.config import EngineConfig
+from services.engine.errors import ContextLengthExceededError, InvalidRequestError
+from services.engine.expert_provider import ExpertProvider
+from services.engine.model_runner import ModelRunner
+from services.engine.models.loader import load_model
+from services.engine.models.spec import load_hf_config, spec_from_config
+from services.engine.output_processor import RequestStream, process_token
+from services.engine.outputs import RequestOutput
+from services.engine.sampling_params import SamplingParams
+from services.engine.scheduler import Scheduler
+from services.engine.sequence import Sequence
+
+_MAX_DEFAULT_CONTEXT = 4096
+_MAX_DEFAULT_KV_BYTES = 2 << 30
+
+
+def _generation_eos_ids(model_dir: str) -> list[int]:
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        eos = json.load(f).get("eos_token_id")
+    return [] if eos is None else (eos if isinstance(eos, list) else [eos])
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, expert_provider: ExpertProvider | None = None) -> None:
+        config.validate()
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
+        model_positions = spec_from_config(load_hf_config(config.model)).max_position_embeddings
+        self.max_model_len = config.max_model_len or min(model_positions, _MAX_DEFAULT_CONTEXT)
+        if self.max_model_len > model_positions:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {model_positions}")
+        loaded = load_model(
+            config.model, config.dtype, config.device, self.max_model_len, expert_provider=expert_provider
+        )
+        self.spec = loaded.spec
+        self.dtype = loaded.dtype
+        self.model_type = loaded.hf_config.model_type
+        eos = set(self.spec.eos_token_ids) | set(_generation_eos_ids(config.model))
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_ids = tuple(sorted(eos))
+        self.block_manager = BlockManager(self._num_kv_blocks(loaded.dtype.itemsize), config.block_size)
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager)
+        self.runner = ModelRunner(loaded.model, self.block_manager, self.eos_ids, config.seed, config.device)
+        self.model = loaded.model
+        self._streams: dict[str, tuple[Sequence, RequestStream]] = {}
+        self.counters: Counter[str] = Counter()
+
+    def _num_kv_blocks(self, itemsize: int) -> int:
+        cfg, spec = self.config, self.spec
+        bytes_per_block = 2 * spec.num_layers * cfg.block_size * spec.num_kv_heads * spec.head_dim * itemsize
+        if cfg.kv_cache_mb is not None:
+            return max(1, cfg.kv_cache_mb * (1 << 20) // bytes_per_block)
+        wanted = cfg.max_num_seqs * math.ceil(self.max_model_len / cfg.block_size)
+        return max(1, min(wanted, _MAX_DEFAULT_KV_BYTES // bytes_per_block))
+
+    # ---- admission ----
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt must not be empty")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        if not prompt:
+            raise InvalidRequestError("prompt token ids must not be empty")
+        vocab = self.spec.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        return list(prompt)
+
+    def make_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        """Validates a request and builds its sequence; raises InvalidRequestError with a clear message."""
+        params.validate()
+        ids = self.tokenize(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt tokenizes to zero tokens")
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{total} tokens ({len(ids)} in the prompt, {params.max_tokens} in the completion). "
+                "Please reduce the prompt or max_tokens."
+            )
+        if len(ids) > self.config.max_num_batched_tokens:
+            raise InvalidRequestError(
+                f"prompt of {len(ids)} tokens exceeds max_num_batched_tokens={self.config.max_num_batched_tokens}"
+            )
+        seq = Sequence(request_id, ids, params, self.config.block_size)
+        blocks = math.ceil(total / self.config.block_size)
+        if blocks > self.block_manager.num_blocks:
+            raise InvalidRequestError(
+                f"request needs {blocks} KV blocks but the cache holds {self.block_manager.num_blocks}"
+            )
+        return seq
+
+    def add_sequence(self, seq: Sequence) -> None:
+        if seq.request_id in self._streams:
+            raise InvalidRequestError(f"request id {seq.request_id!r} is already in flight")
+        self._streams[seq.request_id] = (seq, RequestStream(seq, self.tokenizer))
+        self.scheduler.add(seq)
+        self.counters["requests_received"] += 1
+        self.counters["prompt_tokens"] += seq.num_prompt_tokens
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        seq = self.make_sequence(request_id, prompt, params)
+        self.add_sequence(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        entry = self._streams.pop(request_id, None)
+        if entry is None:
+            return None
+        seq, _ = entry
+        self.scheduler.abort(request_id)
+        self.counters["requests_finished_abort"] += 1
+        return RequestOutput(
+            request_id, "", [], seq.num_prompt_tokens, seq.num_completion_tokens, True, "abort"
+        )
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the step ----
+    def step(self) -> list[RequestOutput]:
+        seqs, is_prefill = self.scheduler.schedule()
+        if not seqs:
+            return []
+        start = time.perf_counter()
+        tokens = self.runner.run(seqs, is_prefill)
+        elapsed = time.perf_counter() - start
+        kind = "prefill" if is_prefill else "decode"
+        self.counters[f"{kind}_steps"] += 1
+        self.counters[f"{kind}_seconds"] += elapsed
+        self.counters[f"{kind}_tokens"] += sum(len(s) for s in seqs) if is_prefill else len(seqs)
+        outputs = []
+        now = time.monotonic()
+        for seq, token in zip(seqs, tokens):
+            seq.append_token(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            _, stream = self._streams[seq.request_id]
+            out, reason = process_token(seq, stream, token, self.eos_ids, self.max_model_len)
+            self.counters["generation_tokens"] += 1
+            if reason:
+                self.scheduler.finish(seq, reason)
+                del self._streams[seq.request_id]
+                self.counters[f"requests_finished_{reason}"] += 1
+            outputs.append(out)
+        return outputs
+
+    # ---- conveniences ----
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams) -> list[list[int]]:
+        """Offline batch generation: completion token ids per prompt, in order."""
+        ids = [f"offline-{self.counters['requests_received']}-{i}" for i in range(len(prompts))]
+        seqs = [self.add_request(rid, p, params) for rid, p in zip(ids, prompts)]
+        while self.has_unfinished():
+            self.step()
+        return [s.completion_token_ids for s in seqs]
+
+    def stats(self) -> dict[str, float]:
+        while True:  # other threads read while the loop thread adds keys; retry a torn copy
+            try:
+                stats = {k: float(v) for k, v in list(self.counters.items())}
+                break
+            except RuntimeError:
+                continue
+        stats.update(
+            num_running=float(len(self.scheduler.running)),
+            num_waiting=float(len(self.scheduler.waiting)),
+            kv_blocks_used=float(self.block_manager.num_used),
+            kv_blocks_total=float(self.block_manager.num_blocks),
+            num_preemptions=float(self.scheduler.num_preemptions),
+        )
+        return stats
+
+    def model_info(self) -> dict[str, object]:
+        spec = self.spec
+        return {
+            "model": os.path.basename(os.path.normpath(self.config.model)),
+            "model_type": self.model_type,
+            "num_layers": spec.num_layers,
+            "num_experts": spec.num_experts,
+            "top_k": spec.top_k,
+            "max_model_len": self.max_model_len,
+            "vocab_size": spec.vocab_size,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": self.config.device,
+        }
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        if not self.has_chat_template:
+            raise InvalidRequestError("this model's tokenizer has no chat template; use completions")
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -1,0 +1,89 @@
+"""Prepares a batch's tensors, runs the model and samples one token per sequence."""
+
+from __future__ import annotations
+
+import torch
+
+from services.engine.block_manager import BlockManager
+from services.engine.models.attention import AttentionMetadata
+from services.engine.models.model import MoECausalLM
+from services.engine.sampler import sample
+from services.engine.sequence import Sequence
+from services.engine.step_context import Phase, StepContext
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: MoECausalLM,
+        block_manager: BlockManager,
+        eos_ids: tuple[int, ...],
+        seed: int,
+        device: torch.device | str,
+    ) -> None:
+        self.model = model
+        self.block_manager = block_manager
+        self.eos_ids = eos_ids
+        self.device = device
+        self.generator = torch.Generator().manual_seed(seed)
+        self.num_steps = 0
+        model.allocate_kv_cache(block_manager.num_blocks * block_manager.block_size)
+
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        if is_prefill:
+            input_ids, positions, meta, last = self._prepare_prefill(seqs)
+        else:
+            input_ids, positions, meta, last = self._prepare_decode(seqs)
+        ctx = StepContext(
+            phase=Phase.PREFILL if is_prefill else Phase.DECODE,
+            request_ids=[s.request_id for s in seqs],
+            num_tokens=int(input_ids.shape[0]),
+            step_index=self.num_steps,
+        )
+        self.num_steps += 1
+        hidden = self.model.forward(input_ids, positions, meta, ctx)
+        logits = self.model.compute_logits(hidden if last is None else hidden[last])
+        for seq in seqs:
+            seq.num_cached_tokens = len(seq)
+        return sample(logits.cpu(), seqs, self.eos_ids, self.generator)
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _prepare_prefill(self, seqs: list[Sequence]):
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        last: list[int] = []
+        bm = self.block_manager
+        for seq in seqs:
+            n = len(seq)
+            input_ids.extend(seq.token_ids)
+            positions.extend(range(n))
+            slots.extend(bm.slot(seq, p) for p in range(n))
+            seq_lens.append(n)
+            last.append(len(input_ids) - 1)
+        meta = AttentionMetadata(is_prefill=True, slot_mapping=self._tensor(slots), seq_lens=seq_lens)
+        return self._tensor(input_ids), self._tensor(positions), meta, self._tensor(last)
+
+    def _prepare_decode(self, seqs: list[Sequence]):
+        bm = self.block_manager
+        bs = bm.block_size
+        positions = [len(s) - 1 for s in seqs]
+        context_lens = self._tensor([len(s) for s in seqs])
+        max_blocks = max(len(s.block_table) for s in seqs)
+        tables = self._tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs])
+        max_len = max(len(s) for s in seqs)
+        offsets = torch.arange(max_len, device=self.device)
+        context_slots = tables[:, offsets // bs] * bs + offsets % bs
+        mask = (offsets[None, :] < context_lens[:, None])[:, None, None, :]
+        meta = AttentionMetadata(
+            is_prefill=False,
+            slot_mapping=context_slots[torch.arange(len(seqs), device=self.device), context_lens - 1],
+            seq_lens=[1] * len(seqs),
+            context_slots=context_slots,
+            context_mask=mask,
+        )
+        input_ids = self._tensor([s.last_token_id for s in seqs])
+        return input_ids, self._tensor(positions), meta, None

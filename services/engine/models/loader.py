@@ -1,0 +1,59 @@
+"""Builds a ready-to-run model from a local Hugging Face directory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PretrainedConfig
+
+from services.engine.expert_provider import ExpertProvider, ResidentExpertProvider
+from services.engine.models.checkpoint import Checkpoint
+from services.engine.models.model import MoECausalLM
+from services.engine.models.spec import ModelSpec, load_hf_config, rope_inv_freq, spec_from_config
+from services.engine.models.weights import WeightReader, expert_loader, load_non_expert_weights
+
+
+@dataclass
+class LoadedModel:
+    model: MoECausalLM
+    spec: ModelSpec
+    hf_config: PretrainedConfig
+    reader: WeightReader
+    dtype: torch.dtype
+
+
+def load_resident_experts(reader: WeightReader, spec: ModelSpec) -> ResidentExpertProvider:
+    experts = []
+    for layer in range(spec.num_layers):
+        if not spec.moe_layers[layer]:
+            experts.append(None)
+            continue
+        load = expert_loader(reader, spec, layer)
+        experts.append([load(e, reader.device) for e in range(spec.num_experts)])
+    return ResidentExpertProvider(experts)
+
+
+def load_model(
+    model_dir: str,
+    dtype: str | torch.dtype = "auto",
+    device: str = "cpu",
+    max_len: int | None = None,
+    expert_provider: ExpertProvider | None = None,
+) -> LoadedModel:
+    """Non-expert weights go to `device`; experts come from `expert_provider` (default: all resident)."""
+    hf_config = load_hf_config(model_dir)
+    spec = spec_from_config(hf_config)
+    ckpt = Checkpoint(model_dir)
+    if isinstance(dtype, torch.dtype):
+        torch_dtype = dtype
+    elif dtype == "auto":
+        torch_dtype = torch.float32 if device == "cpu" else (ckpt.dtype() or torch.float32)
+    else:
+        torch_dtype = getattr(torch, dtype)
+    reader = WeightReader(ckpt, torch_dtype, device)
+    weights = load_non_expert_weights(reader, spec)
+    provider = expert_provider or load_resident_experts(reader, spec)
+    inv_freq, scaling = rope_inv_freq(hf_config)
+    model = MoECausalLM(spec, weights, provider, inv_freq, scaling, max_len or spec.max_position_embeddings)
+    return LoadedModel(model, spec, hf_config, reader, torch_dtype)

@@ -1,0 +1,113 @@
+"""One decoder for every supported MoE family: embed -> [attention, MoE or dense MLP] x L -> norm -> logits."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from services.engine.expert_provider import ExpertProvider
+from services.engine.models.attention import (
+    AttentionMetadata,
+    apply_rope,
+    decode_attention,
+    prefill_attention,
+    rms_norm,
+    write_kv,
+)
+from services.engine.models.moe import moe_forward, swiglu
+from services.engine.models.spec import ModelSpec
+from services.engine.models.weights import AttentionWeights, LayerWeights, NonExpertWeights
+from services.engine.step_context import StepContext
+
+
+class MoECausalLM:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        weights: NonExpertWeights,
+        experts: ExpertProvider,
+        inv_freq: torch.Tensor,
+        rope_scaling: float,
+        max_len: int,
+    ) -> None:
+        self.spec = spec
+        self.w = weights
+        self.experts = experts
+        self.scale = spec.head_dim**-0.5
+        device, dtype = weights.embed.device, weights.embed.dtype
+        positions = torch.arange(max_len, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * rope_scaling).to(device=device, dtype=dtype)
+        self.sin = (emb.sin() * rope_scaling).to(device=device, dtype=dtype)
+        self.k_caches: list[torch.Tensor] = []
+        self.v_caches: list[torch.Tensor] = []
+
+    def allocate_kv_cache(self, num_slots: int) -> None:
+        shape = (num_slots, self.spec.num_kv_heads, self.spec.head_dim)
+        e = self.w.embed
+        self.k_caches = [torch.zeros(shape, dtype=e.dtype, device=e.device) for _ in range(self.spec.num_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=e.dtype, device=e.device) for _ in range(self.spec.num_layers)]
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, ctx: StepContext
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, one row per input token."""
+        spec = self.spec
+        h = F.embedding(input_ids, self.w.embed)
+        cos, sin = self.cos[positions], self.sin[positions]
+        for i, layer in enumerate(self.w.layers):
+            residual = h
+            x = rms_norm(h, layer.input_norm, spec.rms_norm_eps)
+            h = residual + self._attention(i, layer.attention, x, cos, sin, meta)
+            residual = h
+            x = rms_norm(h, layer.post_attention_norm, spec.rms_norm_eps)
+            h = residual + self._mlp(i, layer, x, ctx)
+        self.experts.end_step(ctx)
+        return rms_norm(h, self.w.final_norm, spec.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.w.lm_head).float()
+
+    def _attention(
+        self,
+        i: int,
+        a: AttentionWeights,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        spec = self.spec
+        q, k, v = F.linear(x, a.q, a.q_bias), F.linear(x, a.k, a.k_bias), F.linear(x, a.v, a.v_bias)
+        if spec.qk_norm == "full":  # OLMoE normalises the whole projection before splitting heads
+            q = rms_norm(q, a.q_norm, spec.rms_norm_eps)
+            k = rms_norm(k, a.k_norm, spec.rms_norm_eps)
+        if spec.clip_qkv is not None:
+            q, k, v = (t.clamp(-spec.clip_qkv, spec.clip_qkv) for t in (q, k, v))
+        tokens = x.shape[0]
+        q = q.view(tokens, spec.num_heads, spec.head_dim)
+        k = k.view(tokens, spec.num_kv_heads, spec.head_dim)
+        v = v.view(tokens, spec.num_kv_heads, spec.head_dim)
+        if spec.qk_norm == "head":  # Qwen3 normalises each head
+            q = rms_norm(q, a.q_norm, spec.rms_norm_eps)
+            k = rms_norm(k, a.k_norm, spec.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        write_kv(self.k_caches[i], self.v_caches[i], k, v, meta.slot_mapping)
+        if meta.is_prefill:
+            out = prefill_attention(q, k, v, meta.seq_lens, self.scale)
+        else:
+            out = decode_attention(q, self.k_caches[i], self.v_caches[i], meta, self.scale)
+        return F.linear(out.reshape(tokens, -1), a.o, a.o_bias)
+
+    def _mlp(self, i: int, layer: LayerWeights, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        if layer.dense_mlp is not None:
+            return swiglu(x, layer.dense_mlp.gate_up, layer.dense_mlp.down)
+        out = moe_forward(
+            x, i, layer.router, self.spec.top_k, self.spec.norm_topk_prob, self.experts, ctx  # type: ignore[arg-type]
+        )
+        if layer.shared_expert is not None:
+            shared = swiglu(x, layer.shared_expert.gate_up, layer.shared_expert.down)
+            out = out + torch.sigmoid(F.linear(x, layer.shared_expert_gate)) * shared  # type: ignore[arg-type]
+        return out

@@ -1,0 +1,50 @@
+"""The MoE layer: router, top-k, grouping of tokens by expert, one matmul pair per active expert."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from services.engine.expert_provider import ExpertProvider
+from services.engine.models.router import softmax_topk
+from services.engine.step_context import StepContext
+
+
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down)
+
+
+def moe_forward(
+    x: torch.Tensor,
+    layer: int,
+    router_weight: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    provider: ExpertProvider,
+    ctx: StepContext,
+) -> torch.Tensor:
+    """x: [tokens, hidden] -> [tokens, hidden], the weighted sum of each token's top-k experts."""
+    weights, experts, probs = softmax_topk(F.linear(x, router_weight), top_k, renormalize)
+    ctx.router_probs[layer] = probs
+    ctx.selected_experts[layer] = experts
+
+    flat_experts = experts.flatten()
+    order = torch.argsort(flat_experts, stable=True)  # assignments grouped by expert, tokens ascending
+    token_of_assignment = order // top_k
+    weight_of_assignment = weights.flatten()[order]
+    counts = torch.bincount(flat_experts, minlength=router_weight.shape[0]).tolist()
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + c)
+
+    active = [e for e, c in enumerate(counts) if c]
+    out = torch.zeros_like(x)
+    for expert in provider.begin_layer(layer, active, ctx):
+        start, end = offsets[expert], offsets[expert + 1]
+        tokens = token_of_assignment[start:end]
+        w = provider.get(layer, expert)
+        y = swiglu(x[tokens], w.gate_up, w.down) * weight_of_assignment[start:end, None]
+        out.index_add_(0, tokens, y.to(out.dtype))
+    provider.end_layer(layer, ctx)
+    return out

@@ -1,0 +1,160 @@
+"""Reads a checkpoint's tensors into our layer structures, accepting per-expert and fused 3-D expert layouts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from services.engine.expert_provider import ExpertWeights
+from services.engine.models.checkpoint import Checkpoint
+from services.engine.models.spec import ModelSpec
+
+# Per-expert names (gate, up, down): Mixtral's original and the gate_proj/up_proj/down_proj convention.
+_PER_EXPERT_NAMES = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
+
+
+@dataclass
+class AttentionWeights:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    q_bias: torch.Tensor | None
+    k_bias: torch.Tensor | None
+    v_bias: torch.Tensor | None
+    o_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+
+
+@dataclass
+class MlpWeights:
+    """A dense SwiGLU MLP (dense layers, Qwen2-MoE's shared expert)."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+    attention: AttentionWeights
+    router: torch.Tensor | None  # [num_experts, hidden]; None for dense layers
+    dense_mlp: MlpWeights | None
+    shared_expert: MlpWeights | None
+    shared_expert_gate: torch.Tensor | None
+
+
+@dataclass
+class NonExpertWeights:
+    embed: torch.Tensor
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor
+    layers: list[LayerWeights]
+
+
+class WeightReader:
+    """Converts checkpoint tensors to the run dtype and device as they are read."""
+
+    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.ckpt = checkpoint
+        self.dtype = dtype
+        self.device = device
+
+    def tensor(self, name: str, device: torch.device | str | None = None) -> torch.Tensor:
+        t = self.ckpt.get(name)
+        return t.to(device=device or self.device, dtype=self.dtype).contiguous()
+
+    def optional(self, name: str) -> torch.Tensor | None:
+        return self.tensor(name) if name in self.ckpt else None
+
+
+def _moe_prefix(ckpt: Checkpoint, layer: int) -> str:
+    for prefix in (f"model.layers.{layer}.block_sparse_moe", f"model.layers.{layer}.mlp"):
+        if f"{prefix}.gate.weight" in ckpt:
+            return prefix
+    raise KeyError(f"no router weight for layer {layer} (looked for block_sparse_moe.gate / mlp.gate)")
+
+
+def _mlp(reader: WeightReader, prefix: str) -> MlpWeights:
+    gate = reader.tensor(f"{prefix}.gate_proj.weight")
+    up = reader.tensor(f"{prefix}.up_proj.weight")
+    return MlpWeights(torch.cat([gate, up], dim=0), reader.tensor(f"{prefix}.down_proj.weight"))
+
+
+def load_non_expert_weights(reader: WeightReader, spec: ModelSpec) -> NonExpertWeights:
+    layers = []
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}"
+        a = f"{p}.self_attn"
+        attention = AttentionWeights(
+            q=reader.tensor(f"{a}.q_proj.weight"),
+            k=reader.tensor(f"{a}.k_proj.weight"),
+            v=reader.tensor(f"{a}.v_proj.weight"),
+            o=reader.tensor(f"{a}.o_proj.weight"),
+            q_bias=reader.optional(f"{a}.q_proj.bias"),
+            k_bias=reader.optional(f"{a}.k_proj.bias"),
+            v_bias=reader.optional(f"{a}.v_proj.bias"),
+            o_bias=reader.optional(f"{a}.o_proj.bias"),
+            q_norm=reader.optional(f"{a}.q_norm.weight"),
+            k_norm=reader.optional(f"{a}.k_norm.weight"),
+        )
+        router = dense = shared = shared_gate = None
+        if spec.moe_layers[i]:
+            moe = _moe_prefix(reader.ckpt, i)
+            router = reader.tensor(f"{moe}.gate.weight")
+            if spec.shared_expert_intermediate_size:
+                shared = _mlp(reader, f"{moe}.shared_expert")
+                shared_gate = reader.tensor(f"{moe}.shared_expert_gate.weight")
+        else:
+            dense = _mlp(reader, f"{p}.mlp")
+        layers.append(
+            LayerWeights(
+                input_norm=reader.tensor(f"{p}.input_layernorm.weight"),
+                post_attention_norm=reader.tensor(f"{p}.post_attention_layernorm.weight"),
+                attention=attention,
+                router=router,
+                dense_mlp=dense,
+                shared_expert=shared,
+                shared_expert_gate=shared_gate,
+            )
+        )
+    embed = reader.tensor("model.embed_tokens.weight")
+    lm_head = embed if spec.tie_word_embeddings or "lm_head.weight" not in reader.ckpt else reader.tensor(
+        "lm_head.weight"
+    )
+    return NonExpertWeights(embed, reader.tensor("model.norm.weight"), lm_head, layers)
+
+
+def expert_loader(reader: WeightReader, spec: ModelSpec, layer: int) -> Callable[[int, torch.device | str], ExpertWeights]:
+    """A function reading one expert of `layer` (by index) onto a device, whatever the on-disk layout."""
+    prefix = _moe_prefix(reader.ckpt, layer)
+    fused = f"{prefix}.experts.gate_up_proj"
+    if fused in reader.ckpt:
+        # Fused 3-D layout ([E, 2I, H] and [E, H, I]): read once, slice per expert.
+        gate_up_all = reader.ckpt.get(fused)
+        down_all = reader.ckpt.get(f"{prefix}.experts.down_proj")
+
+        def load_fused(expert: int, device: torch.device | str) -> ExpertWeights:
+            return ExpertWeights(
+                gate_up_all[expert].to(device=device, dtype=reader.dtype).contiguous(),
+                down_all[expert].to(device=device, dtype=reader.dtype).contiguous(),
+            )
+
+        return load_fused
+    for gate_name, up_name, down_name in _PER_EXPERT_NAMES:
+        if f"{prefix}.experts.0.{gate_name}.weight" in reader.ckpt:
+            break
+    else:
+        raise KeyError(f"no expert weights found under {prefix}.experts")
+
+    def load_per_expert(expert: int, device: torch.device | str) -> ExpertWeights:
+        e = f"{prefix}.experts.{expert}"
+        gate = reader.tensor(f"{e}.{gate_name}.weight", device)
+        up = reader.tensor(f"{e}.{up_name}.weight", device)
+        return ExpertWeights(torch.cat([gate, up], dim=0), reader.tensor(f"{e}.{down_name}.weight", device))
+
+    return load_per_expert

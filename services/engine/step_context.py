@@ -1,0 +1,29 @@
+"""What the MoE layers learn about the step they run in (phase, batch composition, routing so far)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+
+class Phase(str, Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass
+class StepContext:
+    phase: Phase
+    request_ids: list[str]
+    num_tokens: int
+    step_index: int = 0
+    # Filled layer by layer as the step runs, for prefetchers and trace recording.
+    router_probs: dict[int, torch.Tensor] = field(default_factory=dict)
+    layer_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    selected_experts: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.phase is Phase.PREFILL
