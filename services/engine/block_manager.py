@@ -32,8 +32,8 @@ class BlockManager:
         seq.block_table = [self._free.popleft() for _ in range(seq.num_blocks_needed)]
 
     def can_append(self, seq: Sequence) -> bool:
-        """Room for one more token: a new block only when the last one is full."""
-        return len(seq) % self.block_size != 0 or len(self._free) >= 1
+        """Room for the sequence's newest token: a new block only when it starts one."""
+        return len(seq.block_table) >= seq.num_blocks_needed or len(self._free) >= 1
 
     def append_slot(self, seq: Sequence) -> None:
         """Ensure the block for the token at position len(seq) - 1 exists (called before a decode step)."""
