@@ -32,19 +32,20 @@ def moe_forward(
     flat_experts = experts.flatten()
     order = torch.argsort(flat_experts, stable=True)  # assignments grouped by expert, tokens ascending
     token_of_assignment = order // top_k
-    weight_of_assignment = weights.flatten()[order]
+    weight_of_assignment = weights.flatten()[order, None]
     counts = torch.bincount(flat_experts, minlength=router_weight.shape[0]).tolist()
     offsets = [0]
     for c in counts:
         offsets.append(offsets[-1] + c)
 
     active = [e for e, c in enumerate(counts) if c]
-    out = torch.zeros_like(x)
+    outputs = torch.empty(len(order), x.shape[1], dtype=x.dtype, device=x.device)
     for expert in provider.begin_layer(layer, active, ctx):
         start, end = offsets[expert], offsets[expert + 1]
-        tokens = token_of_assignment[start:end]
         w = provider.get(layer, expert)
-        y = swiglu(x[tokens], w.gate_up, w.down) * weight_of_assignment[start:end, None]
-        out.index_add_(0, tokens, y.to(out.dtype))
+        y = swiglu(x[token_of_assignment[start:end]], w.gate_up, w.down)
+        outputs[start:end] = y * weight_of_assignment[start:end]
+    # Un-sort and add each token's k expert outputs (index_add_ is far slower on CPU for small batches).
+    out = outputs.index_select(0, torch.argsort(order)).view(x.shape[0], top_k, -1).sum(dim=1)
     provider.end_layer(layer, ctx)
     return out
