@@ -145,11 +145,10 @@ def expert_loader(reader: WeightReader, spec: ModelSpec, layer: int) -> Callable
             )
 
         return load_fused
-    for gate_name, up_name, down_name in _PER_EXPERT_NAMES:
-        if f"{prefix}.experts.0.{gate_name}.weight" in reader.ckpt:
-            break
-    else:
+    names = next((n for n in _PER_EXPERT_NAMES if f"{prefix}.experts.0.{n[0]}.weight" in reader.ckpt), None)
+    if names is None:
         raise KeyError(f"no expert weights found under {prefix}.experts")
+    gate_name, up_name, down_name = names
 
     def load_per_expert(expert: int, device: torch.device | str) -> ExpertWeights:
         e = f"{prefix}.experts.{expert}"
