@@ -24,8 +24,9 @@ _STOP = object()
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, expert_provider: ExpertProvider | None = None) -> None:
         self.engine = LLMEngine(config, expert_provider)
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", seq) | ("abort", id) | _STOP
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", seq) | ("abort", (id, serial)) | _STOP
+        # request id -> (serial of the sequence the stream belongs to, its queue)
+        self._streams: dict[str, tuple[int, asyncio.Queue]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -62,7 +63,7 @@ class AsyncLLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
         seq = self.engine.make_sequence(request_id, prompt, params)
         stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = stream
+        self._streams[request_id] = (seq.serial, stream)
         self._inbox.put(("add", seq))
         finished = False
         try:
@@ -79,13 +80,14 @@ class AsyncLLMEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._inbox.put(("abort", request_id))
+                self._inbox.put(("abort", (request_id, seq.serial)))
 
     def abort(self, request_id: str) -> bool:
         """Aborts an in-flight request; its stream ends with finish_reason "abort"."""
-        if request_id not in self._streams:
+        entry = self._streams.get(request_id)
+        if entry is None:
             return False
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(("abort", (request_id, entry[0])))
         return True
 
     # ---- the loop thread ----
@@ -120,10 +122,10 @@ class AsyncLLMEngine:
             try:
                 self.engine.add_sequence(seq)
             except InvalidRequestError as exc:
-                self._loop.call_soon_threadsafe(self._deliver, seq.request_id, exc)  # type: ignore[union-attr]
+                self._loop.call_soon_threadsafe(self._deliver, seq.request_id, seq.serial, exc)  # type: ignore[union-attr]
         elif kind == "abort":
-            out = self.engine.abort_request(payload)  # type: ignore[arg-type]
-            if out is not None:
+            out = self.engine.abort_request(*payload)  # type: ignore[misc]
+            if out is not None:  # delivered only if its stream is still open (serials must match)
                 self._loop.call_soon_threadsafe(self._dispatch, [out])  # type: ignore[union-attr]
 
     def _abort_all(self) -> None:
@@ -133,15 +135,15 @@ class AsyncLLMEngine:
     # ---- event-loop side ----
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            self._deliver(out.request_id, out)
+            self._deliver(out.request_id, out.seq_serial, out)
 
-    def _deliver(self, request_id: str, item: object) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.put_nowait(item)
+    def _deliver(self, request_id: str, serial: int, item: object) -> None:
+        entry = self._streams.get(request_id)
+        if entry is not None and entry[0] == serial:
+            entry[1].put_nowait(item)
 
     def _fail_all(self, exc: BaseException) -> None:
-        for stream in self._streams.values():
+        for _, stream in self._streams.values():
             stream.put_nowait(exc)
 
     # ---- information ----

@@ -122,15 +122,17 @@ class LLMEngine:
         self.add_sequence(seq)
         return seq
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        entry = self._streams.pop(request_id, None)
-        if entry is None:
+    def abort_request(self, request_id: str, serial: int | None = None) -> RequestOutput | None:
+        """Aborts the in-flight request `request_id` (only its admission `serial`, if given)."""
+        entry = self._streams.get(request_id)
+        if entry is None or (serial is not None and entry[0].serial != serial):
             return None
+        del self._streams[request_id]
         seq, _ = entry
         self.scheduler.abort(request_id)
         self.counters["requests_finished_abort"] += 1
         return RequestOutput(
-            request_id, "", [], seq.num_prompt_tokens, seq.num_completion_tokens, True, "abort"
+            request_id, "", [], seq.num_prompt_tokens, seq.num_completion_tokens, True, "abort", seq.serial
         )
 
     def has_unfinished(self) -> bool:

@@ -55,5 +55,6 @@ def process_token(
         completion_tokens=seq.num_completion_tokens,
         finished=reason is not None,
         finish_reason=reason,
+        seq_serial=seq.serial,
     )
     return output, reason

@@ -14,3 +14,4 @@ class RequestOutput:
     completion_tokens: int = 0
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    seq_serial: int = 0  # which admission of this request id produced the output (ids may be reused)

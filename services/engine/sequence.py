@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from enum import Enum, auto
 
@@ -16,11 +17,15 @@ class SequenceStatus(Enum):
     FINISHED = auto()
 
 
+_serials = itertools.count(1)
+
+
 class Sequence:
     def __init__(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, block_size: int
     ) -> None:
         self.request_id = request_id
+        self.serial = next(_serials)
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params

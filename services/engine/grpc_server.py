@@ -1,0 +1,218 @@
+"""The engine's gRPC front end (`grpc.aio`) and a small async client the gateway reuses."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from services.common.protos import engine_pb2, engine_pb2_grpc
+from services.engine.errors import EngineDeadError, InvalidRequestError
+from services.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_MODEL_INFO_FIELDS = tuple(f.name for f in engine_pb2.ModelInfoResponse.DESCRIPTOR.fields)
+
+
+def params_from_proto(msg: Any) -> SamplingParams:
+    """SamplingParams from the proto message; unset fields keep the engine defaults."""
+    params = SamplingParams(
+        top_k=msg.top_k,
+        min_tokens=msg.min_tokens,
+        stop=list(msg.stop),
+        stop_token_ids=list(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+    )
+    # proto3 `optional`: an unset field keeps the engine default, which differs from an explicit 0.
+    for name in ("temperature", "top_p", "seed", "max_tokens"):
+        if msg.HasField(name):
+            setattr(params, name, getattr(msg, name))
+    return params
+
+
+def params_to_proto(params: SamplingParams) -> Any:
+    msg = engine_pb2.SamplingParams(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        max_tokens=params.max_tokens,
+        min_tokens=params.min_tokens,
+        stop=params.stop,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+    )
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+def _response(out: Any) -> Any:
+    return engine_pb2.GenerateResponse(
+        request_id=out.request_id,
+        delta_text=out.delta_text or "",
+        delta_token_ids=list(out.delta_token_ids),
+        prompt_tokens=out.prompt_tokens,
+        completion_tokens=out.completion_tokens,
+        finished=out.finished,
+        finish_reason=out.finish_reason or "",
+    )
+
+
+class EngineServicer(engine_pb2_grpc.EngineServicer):
+    """Maps the RPCs onto an AsyncLLMEngine (see services/engine/async_engine.py)."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self._in_flight: set[str] = set()  # request ids with an open Generate stream on this server
+
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> None:
+        request_id = request.request_id or uuid.uuid4().hex
+        if request_id in self._in_flight:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already running")
+        kind = request.WhichOneof("prompt")
+        prompt: str | list[int] = request.text if kind == "text" else list(request.token_ids.ids)
+        if not prompt:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt must not be empty")
+        params = params_from_proto(request.sampling)
+        self._in_flight.add(request_id)
+        # A coroutine handler writing with context.write (rather than an async-generator handler) so that
+        # a client cancellation raises CancelledError right here and the finally always runs at once.
+        stream = self._engine.generate(request_id, prompt, params)
+        try:
+            async for out in stream:
+                await context.write(_response(out))
+        except InvalidRequestError as exc:  # includes ContextLengthExceededError
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except EngineDeadError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        finally:
+            self._in_flight.discard(request_id)
+            # Closing the engine's generator (a no-op if it already ended) aborts an unfinished request and
+            # frees its KV blocks.
+            await stream.aclose()
+
+    async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        # The engine returns False for ids it does not know (never seen, finished or already aborted).
+        if not self._engine.abort(request.request_id):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no running request {request.request_id!r}")
+        return engine_pb2.AbortResponse()
+
+    async def Health(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        status, message = engine_pb2.HealthResponse.SERVING, ""
+        if not getattr(self._engine, "is_running", True):
+            status, message = engine_pb2.HealthResponse.NOT_SERVING, "engine loop is not running"
+        return engine_pb2.HealthResponse(status=status, message=message)
+
+    async def ModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        info = self._engine.model_info()
+        return engine_pb2.ModelInfoResponse(
+            **{k: v for k, v in info.items() if k in _MODEL_INFO_FIELDS and v is not None}
+        )
+
+    async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        stats = {k: float(v) for k, v in self._engine.stats().items()}
+        return engine_pb2.StatsResponse(
+            counters=stats,
+            num_running=int(stats.get("num_running", 0)),
+            num_waiting=int(stats.get("num_waiting", 0)),
+        )
+
+
+async def _add_health_service(server: grpc.aio.Server) -> None:
+    """Register the standard grpc.health.v1 service when grpcio-health-checking is installed."""
+    try:
+        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    except ImportError:
+        return  # optional: not a dependency of the project
+    servicer = health.aio.HealthServicer()  # "" (the whole server) starts as SERVING
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    name = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
+    await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+
+async def serve_engine(
+    engine: Any, host: str = "127.0.0.1", port: int = 50051
+) -> tuple[grpc.aio.Server, int]:
+    """Start a gRPC server for `engine`; port 0 picks a free port. Returns (server, bound port).
+
+    Stop it with `await stop_server(server)` (graceful: in-flight streams get a grace period, then are
+    cancelled, which aborts their engine requests).
+    """
+    server = grpc.aio.server()
+    engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), server)
+    await _add_health_service(server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind gRPC server to {host}:{port}")
+    await server.start()
+    log.info("engine gRPC server listening on %s:%d", host, bound)
+    return server, bound
+
+
+async def stop_server(server: grpc.aio.Server, grace: float = 5.0) -> None:
+    await server.stop(grace)
+
+
+class EngineClient:
+    """Async client for the Engine service.
+
+    `generate` mirrors `AsyncLLMEngine.generate(request_id, prompt, params)` and yields GenerateResponse
+    messages, whose field names match RequestOutput's (finish_reason is "" rather than None while running).
+    RPC errors surface as `grpc.aio.AioRpcError` (check `.code()`: INVALID_ARGUMENT, ALREADY_EXISTS, ...).
+    """
+
+    def __init__(self, address: str, channel: grpc.aio.Channel | None = None) -> None:
+        self.address = address
+        self._channel = channel or grpc.aio.insecure_channel(address)
+        self.stub = engine_pb2_grpc.EngineStub(self._channel)
+
+    async def wait_ready(self, timeout: float = 10.0) -> None:
+        import asyncio
+
+        await asyncio.wait_for(self._channel.channel_ready(), timeout)
+
+    async def generate(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> AsyncIterator[Any]:
+        request = engine_pb2.GenerateRequest(
+            request_id=request_id, sampling=params_to_proto(params or SamplingParams())
+        )
+        if isinstance(prompt, str):
+            request.text = prompt
+        else:
+            request.token_ids.ids.extend(prompt)
+        call = self.stub.Generate(request)
+        try:
+            async for response in call:
+                yield response
+        finally:
+            # The consumer stopped early (or failed): cancel the RPC so the server aborts the request.
+            call.cancel()
+
+    async def abort(self, request_id: str) -> None:
+        await self.stub.Abort(engine_pb2.AbortRequest(request_id=request_id))
+
+    async def health(self) -> bool:
+        response = await self.stub.Health(engine_pb2.HealthRequest())
+        return response.status == engine_pb2.HealthResponse.SERVING
+
+    async def model_info(self) -> dict[str, Any]:
+        response = await self.stub.ModelInfo(engine_pb2.ModelInfoRequest())
+        return {name: getattr(response, name) for name in _MODEL_INFO_FIELDS}
+
+    async def stats(self) -> dict[str, float]:
+        response = await self.stub.Stats(engine_pb2.StatsRequest())
+        return dict(response.counters)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
