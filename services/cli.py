@@ -10,6 +10,7 @@ import sys
 _COMMAND_MODULES = (
     "services.engine.cli",
     "services.engine.demo_model.cli",
+    "services.gateway.cli",
     "services.bench.cli",
 )
 
