@@ -1,0 +1,191 @@
+"""`hintserve gateway` (OpenAI API in front of gRPC engines) and `hintserve serve` (all in one process).
+
+Authentication policy, explicit on purpose:
+* `gateway`: API keys are required (HINTSERVE_API_KEYS, comma-separated, and/or --api-key-file) unless
+  --no-auth is given.
+* `serve`: the same, except that with no keys configured and a loopback --host (the default 127.0.0.1) it
+  runs without authentication and prints a line saying so; on any other address it refuses to start
+  without keys or --no-auth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from services.gateway.auth import ADMIN_KEY_ENV, API_KEYS_ENV, load_api_keys
+from services.gateway.config import GatewayConfig, parse_engine_addresses
+
+DEFAULT_MODEL_DIR = "models/demo-moe"
+
+
+def register(subparsers: Any) -> None:
+    gateway = subparsers.add_parser("gateway", help="serve the OpenAI API in front of engines (gRPC)")
+    gateway.add_argument("--engines", required=True, help="engine gRPC addresses: host:port,host:port,...")
+    gateway.add_argument(
+        "--tokenizer", default=None, help="model directory whose tokenizer gives the chat template (needed for chat)"
+    )
+    _add_gateway_args(gateway)
+    gateway.set_defaults(func=run_gateway)
+
+    serve = subparsers.add_parser("serve", help="gateway + in-process engine in one process (OpenAI API on :8000)")
+    serve.add_argument("--model", default=DEFAULT_MODEL_DIR, help=f"model directory (default {DEFAULT_MODEL_DIR})")
+    serve.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=None)
+    serve.add_argument("--device", default=None, help="cpu or cuda[:N]")
+    serve.add_argument("--max-num-seqs", type=int, default=None)
+    serve.add_argument("--max-num-batched-tokens", type=int, default=None)
+    serve.add_argument("--kv-cache-mb", type=int, default=None)
+    _add_gateway_args(serve)
+    serve.set_defaults(func=run_serve)
+
+
+def _add_gateway_args(parser: argparse.ArgumentParser) -> None:
+    d = GatewayConfig()
+    parser.add_argument("--host", default=d.host)
+    parser.add_argument("--port", type=int, default=d.port, help="0 picks a free port")
+    parser.add_argument("--model-name", default=None, help="served model name (default: the model directory's name)")
+    parser.add_argument("--api-key-file", default=None, help=f"API keys, one per line (also: env {API_KEYS_ENV})")
+    parser.add_argument("--no-auth", action="store_true", help="serve without API keys (explicit opt-out)")
+    parser.add_argument("--max-queue", type=int, default=d.max_queue, help="admission queue bound; beyond: 429")
+    parser.add_argument("--max-concurrency-per-engine", type=int, default=d.max_concurrency_per_engine)
+    parser.add_argument("--batch-window-ms", type=float, default=d.batch_window_ms, help="0 disables batching")
+    parser.add_argument("--max-batch", type=int, default=d.max_batch)
+    parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="larger bodies: 413")
+    parser.add_argument("--max-n", type=int, default=d.max_n, help="largest n (choices x prompts) per request")
+    parser.add_argument("--health-interval-s", type=float, default=d.health_interval_s)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def resolve_auth(args: argparse.Namespace, loopback_default_off: bool) -> tuple[list[str] | None, str]:
+    """(API keys or None for no auth, the line to print about it)."""
+    if args.no_auth:
+        if args.api_key_file:
+            raise ValueError("--no-auth and --api-key-file contradict each other")
+        return None, "authentication is OFF (--no-auth): anyone who can reach this port can use it"
+    keys = load_api_keys(os.environ.get(API_KEYS_ENV), args.api_key_file)
+    if keys:
+        return keys, f"authentication is on: {len(keys)} API key(s) (send 'Authorization: Bearer <key>')"
+    if loopback_default_off and is_loopback(args.host):
+        return None, (
+            f"authentication is OFF: no API keys configured and listening on loopback only ({args.host}); "
+            f"set {API_KEYS_ENV} or --api-key-file to require keys"
+        )
+    where = "" if not loopback_default_off else f" (serve runs without keys only on loopback, not {args.host})"
+    raise ValueError(f"no API keys configured: set {API_KEYS_ENV} or --api-key-file, or pass --no-auth{where}")
+
+
+def gateway_config(args: argparse.Namespace, api_keys: list[str] | None, tokenizer: str | None) -> GatewayConfig:
+    config = GatewayConfig(
+        host=args.host, port=args.port, model_name=args.model_name, tokenizer=tokenizer, api_keys=api_keys,
+        admin_key=os.environ.get(ADMIN_KEY_ENV) or None, max_queue=args.max_queue,
+        max_concurrency_per_engine=args.max_concurrency_per_engine, batch_window_ms=args.batch_window_ms,
+        max_batch=args.max_batch, max_body_bytes=args.max_body_bytes, max_n=args.max_n,
+        health_interval_s=args.health_interval_s,
+    )
+    config.validate()
+    return config
+
+
+def _say(line: str) -> None:
+    print(f"[hintserve] {line}", file=sys.stderr, flush=True)
+
+
+def _stop_on_signals(server: Any) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, server.request_exit)
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=logging.WARNING, format="[hintserve] %(levelname)s %(name)s: %(message)s")
+
+
+# --- hintserve gateway ----------------------------------------------------------------------------
+
+
+def run_gateway(args: argparse.Namespace) -> int:
+    addresses = parse_engine_addresses(args.engines)
+    if args.tokenizer is not None and not os.path.isdir(args.tokenizer):
+        raise FileNotFoundError(f"--tokenizer directory not found: {args.tokenizer}")
+    api_keys, auth_line = resolve_auth(args, loopback_default_off=False)
+    config = gateway_config(args, api_keys, args.tokenizer)
+    _setup_logging()
+    asyncio.run(_run_gateway(config, addresses, auth_line))
+    return 0
+
+
+async def _run_gateway(config: GatewayConfig, addresses: list[str], auth_line: str) -> None:
+    from services.engine.grpc_server import EngineClient
+    from services.gateway.server import Gateway, HTTPServer
+
+    gateway = Gateway(config, [EngineClient(a) for a in addresses])
+    server = HTTPServer(gateway.app, config.host, config.port)
+    _stop_on_signals(server)
+    await server.start()
+    healthy = len(gateway.pool.healthy_engines)
+    _say(auth_line)
+    _say(
+        f"gateway serving {gateway.served_model_name or '(model unknown until an engine answers)'} at "
+        f"{server.url}/v1 ({healthy}/{len(addresses)} engines healthy)"
+    )
+    await server.serve_forever()
+
+
+# --- hintserve serve ------------------------------------------------------------------------------
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from services.engine.cli import engine_config
+
+    api_keys, auth_line = resolve_auth(args, loopback_default_off=True)  # before loading the model
+    config = gateway_config(args, api_keys, args.model)
+    engine_cfg = engine_config(args)  # FileNotFoundError / ValueError with one line
+    _setup_logging()
+    asyncio.run(_run_serve(config, engine_cfg, auth_line))
+    return 0
+
+
+def start_predictor(engine: Any) -> Any:
+    """Hook for the predictor service in the all-in-one server.
+
+    When the predictor lands (services/predictor/), this starts it in-process with the in-process broker and
+    connects it to `engine` (iteration contexts in, prefetch hints out) and returns a handle with an async
+    `stop()`. Until then the engine runs with its local prefetchers only.
+    """
+    return None
+
+
+async def _run_serve(config: GatewayConfig, engine_cfg: Any, auth_line: str) -> None:
+    from services.engine.async_engine import AsyncLLMEngine
+    from services.gateway.engine_client import InProcessEngineClient
+    from services.gateway.server import Gateway, HTTPServer
+
+    engine = AsyncLLMEngine(engine_cfg)
+    await engine.start()
+    predictor = start_predictor(engine)
+    try:
+        gateway = Gateway(config, [InProcessEngineClient(engine)])
+        server = HTTPServer(gateway.app, config.host, config.port)
+        _stop_on_signals(server)
+        await server.start()
+        _say(auth_line)
+        _say(f"serving {gateway.served_model_name} with the OpenAI API at {server.url}/v1 (Ctrl-C to stop)")
+        await server.serve_forever()
+    finally:
+        if predictor is not None:
+            await predictor.stop()
+        await engine.shutdown()

@@ -1,0 +1,120 @@
+"""Request schemas of the OpenAI API subset we serve (vLLM's names), and the unsupported-field check.
+
+Responses are plain dicts built in the serving modules: validating our own output with pydantic on every
+streamed chunk would cost CPU for nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Fields of the OpenAI API (or of vLLM) that we do not implement. A request naming any of them with a
+# value other than its neutral default gets a 400 that lists them: never silently ignored.
+_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (0, 0.0),
+    "presence_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "logprobs": (False,),
+    "echo": (False,),
+    "best_of": (1,),
+    "parallel_tool_calls": (True, False),  # only meaningful with tools, which are refused anyway
+    "tools": ([],),
+    "functions": ([],),
+}
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+MAX_STOP_SEQUENCES = 16
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields shared by chat and completions. Extra fields are kept so they can be named in the 400."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=_INT64_MIN, le=_INT64_MAX)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = Field(default=None, ge=-1)
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    # OpenAI's newer name for max_tokens; when both are given this one wins, as in vLLM.
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)  # the legacy completions API defaults to 16
+
+
+def unsupported_fields(request: BaseModel, prefix: str = "") -> list[str]:
+    """Names of extra fields with a non-neutral value (None counts as absent)."""
+    names = []
+    for name, value in (request.model_extra or {}).items():
+        if value is None or value in _NEUTRAL_VALUES.get(name, ()):
+            continue
+        names.append(prefix + name)
+    return names
+
+
+def chat_unsupported_fields(request: ChatCompletionRequest) -> list[str]:
+    names = unsupported_fields(request)
+    for i, message in enumerate(request.messages):
+        names += unsupported_fields(message, f"messages[{i}].")
+        if isinstance(message.content, list):
+            for j, part in enumerate(message.content):
+                if part.type != "text":
+                    names.append(f"messages[{i}].content[{j}].type={part.type}")
+                names += unsupported_fields(part, f"messages[{i}].content[{j}].")
+    return names
+
+
+CHAT_ROLES: tuple[str, ...] = ("system", "developer", "user", "assistant")
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }

@@ -1,0 +1,153 @@
+"""One engine request's life in the gateway: admit, batch, submit, fail over, stream, account, abort."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from services.engine.sampling_params import SamplingParams
+from services.gateway.admission import AdmissionController
+from services.gateway.batching import RequestBatcher
+from services.gateway.engine_pool import EngineHandle, EnginePool, describe_error
+from services.gateway.errors import APIError, from_engine_error, is_engine_down
+from services.gateway.metrics import GatewayMetrics, ModelMetrics
+
+
+def _engine_aborted() -> APIError:
+    # The engine ended the request itself (shutdown, admin abort): the text so far is not a full answer, so
+    # the client gets an error rather than a finish_reason that would pass truncated text off as complete.
+    return APIError(
+        503, "the engine aborted the request before it finished (engine shutting down?)",
+        code="engine_aborted", retriable=True,
+    )
+
+
+async def _close(stream: AsyncIterator[Any] | None) -> None:
+    # Closing the backend's generator aborts an unfinished engine request (KV blocks freed). The backends'
+    # cleanup never suspends, so this completes even inside a task that is being cancelled.
+    if stream is not None:
+        try:
+            await stream.aclose()  # type: ignore[attr-defined]
+        except Exception:
+            pass
+
+
+class EngineRouter:
+    def __init__(
+        self, pool: EnginePool, admission: AdmissionController, batcher: RequestBatcher, metrics: GatewayMetrics
+    ) -> None:
+        self.pool = pool
+        self.admission = admission
+        self.batcher = batcher
+        self.metrics = metrics
+
+    async def _open(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, prompt_param: str | None,
+        m: ModelMetrics,
+    ) -> tuple[EngineHandle, AsyncIterator[Any], Any, float]:
+        """Submits to an engine and waits for its first output, failing over while none has come.
+
+        Returns (engine, stream, first output, submission time); the caller owns the slot and the stream,
+        and the request counts as running. Raises APIError: 429/503 from admission, 4xx from the engine's
+        validation, 503 when every engine that could serve failed.
+        """
+        excluded: list[EngineHandle] = []
+        m.waiting.inc()
+        running = False  # which gauge counts the request now
+        try:
+            while True:
+                handle = await self.admission.acquire(excluded)  # 503 once every healthy engine is excluded
+                stream = None
+                try:
+                    await self.batcher.wait_turn(handle)
+                    # No await between the batch wake-up and the submission in anext(): see RequestBatcher.
+                    stream = handle.client.generate(request_id, prompt, params)
+                    submitted = time.monotonic()
+                    m.waiting.dec()
+                    m.running.inc()
+                    running = True
+                    first = await anext(stream)
+                    if first.finished and first.finish_reason == "abort" and not first.delta_token_ids:
+                        raise _engine_aborted()
+                    return handle, stream, first, submitted
+                except BaseException as exc:
+                    self.admission.release(handle)
+                    await _close(stream)
+                    if running:
+                        m.running.dec()
+                        m.waiting.inc()
+                        running = False
+                    if not isinstance(exc, Exception):
+                        raise  # cancelled: the client went away
+                    if isinstance(exc, StopAsyncIteration):
+                        error = APIError(502, "engine closed the stream without output", retriable=True)
+                    else:
+                        error = from_engine_error(exc, prompt_param)
+                    if not error.retriable:
+                        raise error from exc
+                    if is_engine_down(exc):
+                        self.pool.mark_unhealthy(handle, describe_error(exc))
+                    handle.failures += 1
+                    excluded.append(handle)
+        except BaseException:
+            m.waiting.dec()
+            raise
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        model_name: str,
+        arrival: float,
+        prompt_param: str | None = None,
+    ) -> AsyncIterator[Any]:
+        """Yields the engine's outputs (proto GenerateResponse or RequestOutput; same field names).
+
+        The last output has finished=True and finish_reason "stop" or "length". Errors are APIError: before
+        the first output they carry the right HTTP status; after it they end the stream. Closing the
+        iterator early (client disconnect) aborts the engine request.
+        """
+        m = self.metrics.model(model_name)
+        handle, stream, out, submitted = await self._open(request_id, prompt, params, prompt_param, m)
+        m.queue.observe(submitted - arrival)
+        first_token = last_token = 0.0
+        prompt_tokens = completion_tokens = 0
+        finish_reason = "abort"  # unless the engine says otherwise: closed early or failed
+        try:
+            while True:
+                now = time.monotonic()
+                if out.delta_token_ids:
+                    if not first_token:
+                        first_token = now
+                        m.ttft.observe(now - arrival)
+                    else:
+                        m.itl.observe(now - last_token)
+                    last_token = now
+                prompt_tokens, completion_tokens = out.prompt_tokens, out.completion_tokens
+                if out.finished:
+                    if out.finish_reason == "abort":
+                        raise _engine_aborted()
+                    finish_reason = out.finish_reason or "stop"
+                    if completion_tokens > 1:
+                        m.tpot.observe((last_token - first_token) / (completion_tokens - 1))
+                    m.e2e.observe(now - arrival)
+                    yield out
+                    return
+                yield out
+                try:
+                    out = await anext(stream)
+                except StopAsyncIteration:
+                    raise APIError(502, "engine stream ended before the request finished") from None
+                except Exception as exc:  # tokens already went out: no failover, the stream ends in an error
+                    if is_engine_down(exc):
+                        self.pool.mark_unhealthy(handle, describe_error(exc))
+                    raise from_engine_error(exc, prompt_param) from exc
+        finally:
+            m.running.dec()
+            m.finished(finish_reason)
+            m.prompt_tokens.inc(prompt_tokens)
+            m.generation_tokens.inc(completion_tokens)
+            self.admission.release(handle)
+            await _close(stream)

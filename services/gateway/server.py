@@ -1,0 +1,141 @@
+"""The gateway assembled: engine pool, admission, batching, router, serving, metrics, app; and its HTTP server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import uvicorn
+
+from services.gateway.admin import ReplayRunner
+from services.gateway.admission import AdmissionController
+from services.gateway.api_server import build_app
+from services.gateway.auth import Authenticator
+from services.gateway.batching import RequestBatcher
+from services.gateway.config import GatewayConfig
+from services.gateway.engine_client import EngineBackend
+from services.gateway.engine_pool import EnginePool
+from services.gateway.engine_stats_collector import EngineStatsCollector
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.router import EngineRouter
+from services.gateway.serving_chat import OpenAIServingChat
+from services.gateway.serving_completion import OpenAIServingCompletion
+from services.gateway.serving_engine import OpenAIServing
+
+log = logging.getLogger(__name__)
+
+
+def load_tokenizer(model_dir: str) -> Any:
+    """The model's tokenizer (chat template, token counts). The gateway loads its own copy even next to an
+    in-process engine: the engine thread detokenizes concurrently, and a fast tokenizer is not meant to be
+    shared across threads."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, clients: Sequence[EngineBackend], tokenizer: Any | None = None) -> None:
+        config.validate()
+        self.config = config
+        if tokenizer is None and config.tokenizer:
+            tokenizer = load_tokenizer(config.tokenizer)
+        self.created = int(time.time())
+        self.pool = EnginePool(clients, config.max_concurrency_per_engine, config.health_interval_s)
+        self.admission = AdmissionController(self.pool, config.max_queue)
+        self.batcher = RequestBatcher(config.batch_window_ms / 1000.0, config.max_batch)
+        self.metrics = GatewayMetrics()
+        self.metrics.registry.register(EngineStatsCollector(self.pool))
+        self.router = EngineRouter(self.pool, self.admission, self.batcher, self.metrics)
+        self.auth = Authenticator(config.api_keys)
+        self.serving = OpenAIServing(
+            self.router, self.pool, lambda: self.served_model_name, tokenizer, config.max_n
+        )
+        self.chat = OpenAIServingChat(self.serving)
+        self.completion = OpenAIServingCompletion(self.serving)
+        self.replay = ReplayRunner()
+        self.app = build_app(self)
+
+    @property
+    def served_model_name(self) -> str | None:
+        if self.config.model_name:
+            return self.config.model_name
+        info = self.pool.model_info()
+        return str(info["model"]) if info and info.get("model") else None
+
+    async def start(self) -> None:
+        await self.pool.start()
+        names = {h.model_info.get("model") for h in self.pool.engines if h.model_info}
+        if len(names) > 1:
+            log.warning("engines report different models %s; serving them all as %r", names, self.served_model_name)
+        if not self.pool.any_healthy:
+            log.warning("no engine is healthy yet; requests get 503 until one is")
+
+    async def stop(self) -> None:
+        await self.pool.stop()
+
+
+class HTTPServer:
+    """uvicorn on an already bound socket, as a task of the running loop (the CLI, tests, the benchmark)."""
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.sock.bind((host, port))
+        except OSError as exc:
+            self.sock.close()
+            raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+        self.host = host
+        self.port: int = self.sock.getsockname()[1]
+        config = uvicorn.Config(
+            app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=5,
+            timeout_keep_alive=30,
+        )
+        self.server = uvicorn.Server(config)
+        # uvicorn would re-raise a caught SIGTERM after shutdown (killing the process before our cleanup);
+        # the CLI installs its own handlers calling request_exit(), tests and benchmarks need none.
+        self.server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+        self._task: asyncio.Task | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    async def start(self, timeout: float = 30.0) -> None:
+        """Returns once the app's startup (engine health round) is done and requests are served."""
+        self._task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if self._task.done():
+                self._task.result()  # raises the startup error
+                raise RuntimeError("HTTP server exited during startup")
+            if time.monotonic() > deadline:
+                raise TimeoutError("HTTP server did not start in time")
+            await asyncio.sleep(0.005)
+
+    async def serve_forever(self) -> None:
+        """Until the server exits (SIGINT/SIGTERM when signal handlers are installed, or stop())."""
+        if self._task is None:
+            await self.start()
+        assert self._task is not None
+        await self._task
+
+    def request_exit(self) -> None:
+        """Graceful stop (in-flight requests get timeout_graceful_shutdown); a second call forces it."""
+        if self.server.should_exit:
+            self.server.force_exit = True
+        self.server.should_exit = True
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        if self._task is not None:
+            await self._task
+        self.sock.close()
