@@ -170,7 +170,7 @@ async def test_async_engine_streams_and_aborts(tiny_mixtral_dir: str) -> None:
         await stream.__anext__()
         await stream.aclose()  # the client went away: the request must be aborted and its blocks freed
         await _until(lambda: engine.stats()["kv_blocks_used"] == 0 and engine.stats()["num_running"] == 0)
-        assert engine.stats()["requests_finished_abort"] >= 1
+        assert engine.stats()['requests_finished_total{reason="abort"}'] >= 1
 
         # Reusing an id right after its stream was closed: the stale abort must not reach the new stream.
         stream = engine.generate("reused", prompt, GREEDY)

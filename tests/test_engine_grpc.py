@@ -152,7 +152,7 @@ async def test_cancel_stream_aborts_and_frees_kv_blocks(engine: Any, client: Eng
     assert engine.stats()["kv_blocks_used"] > 0
     call.cancel()
     await _wait_for(lambda: engine.stats()["kv_blocks_used"] == 0 and engine.stats()["num_running"] == 0)
-    assert engine.stats()["requests_finished_abort"] == 1  # aborted, not run to completion
+    assert engine.stats()['requests_finished_total{reason="abort"}'] == 1  # aborted, not run to completion
     # The engine forgot the request: aborting it again over gRPC is NOT_FOUND.
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await client.abort("cancel-me")
@@ -166,7 +166,7 @@ async def test_client_generator_closed_early_aborts(engine: Any, client: EngineC
         break
     await stream.aclose()
     await _wait_for(lambda: engine.stats()["kv_blocks_used"] == 0 and engine.stats()["num_running"] == 0)
-    assert engine.stats()["requests_finished_abort"] == 1
+    assert engine.stats()['requests_finished_total{reason="abort"}'] == 1
 
 
 async def test_abort_rpc(engine: Any, client: EngineClient) -> None:
@@ -178,7 +178,7 @@ async def test_abort_rpc(engine: Any, client: EngineClient) -> None:
     assert sum(len(o.delta_token_ids) for o in [first, *rest]) < 400
     assert rest[-1].finished and rest[-1].finish_reason == "abort"
     await _wait_for(lambda: engine.stats()["kv_blocks_used"] == 0)
-    assert engine.stats()["requests_finished_abort"] == 1
+    assert engine.stats()['requests_finished_total{reason="abort"}'] == 1
 
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await client.abort("no-such-request")
@@ -194,7 +194,7 @@ async def test_duplicate_request_id_already_exists(engine: Any, client: EngineCl
     await stream.aclose()
     # Once the first stream is gone and the engine has processed its abort, the id can be reused. (Reusing it
     # before then races with the engine's abort output, which is delivered by request id.)
-    await _wait_for(lambda: engine.stats().get("requests_finished_abort") == 1)
+    await _wait_for(lambda: engine.stats().get('requests_finished_total{reason="abort"}') == 1)
     outs = await _collect(client.generate("dup", PROMPT, SamplingParams(max_tokens=2, ignore_eos=True)))
     assert outs[-1].finish_reason == "length"
 

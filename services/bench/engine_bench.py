@@ -33,8 +33,8 @@ def _decode_throughput(engine: LLMEngine, concurrency: int, prompt_len: int, new
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     engine.generate([_prompt_ids(engine, prompt_len, i) for i in range(concurrency)], params)
     after = engine.stats()
-    tokens = after["decode_tokens"] - before.get("decode_tokens", 0.0)
-    seconds = after["decode_seconds"] - before.get("decode_seconds", 0.0)
+    tokens = after["decode_tokens_total"] - before.get("decode_tokens_total", 0.0)
+    seconds = after["decode_seconds_total"] - before.get("decode_seconds_total", 0.0)
     return tokens / seconds
 
 
@@ -43,8 +43,8 @@ def _prefill_throughput(engine: LLMEngine, prompt_len: int, batch: int) -> float
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     engine.generate([_prompt_ids(engine, prompt_len, i) for i in range(batch)], params)
     after = engine.stats()
-    return (after["prefill_tokens"] - before.get("prefill_tokens", 0.0)) / (
-        after["prefill_seconds"] - before.get("prefill_seconds", 0.0)
+    return (after["prefill_tokens_total"] - before.get("prefill_tokens_total", 0.0)) / (
+        after["prefill_seconds_total"] - before.get("prefill_seconds_total", 0.0)
     )
 
 

@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator
 
 from services.engine.config import EngineConfig
 from services.engine.errors import EngineDeadError, InvalidRequestError
-from services.engine.expert_provider import ExpertProvider
 from services.engine.llm_engine import LLMEngine
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
@@ -22,8 +21,8 @@ _STOP = object()
 
 
 class AsyncLLMEngine:
-    def __init__(self, config: EngineConfig, expert_provider: ExpertProvider | None = None) -> None:
-        self.engine = LLMEngine(config, expert_provider)
+    def __init__(self, config: EngineConfig) -> None:
+        self.engine = LLMEngine(config)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", seq) | ("abort", (id, serial)) | _STOP
         # request id -> (serial of the sequence the stream belongs to, its queue)
         self._streams: dict[str, tuple[int, asyncio.Queue]] = {}
@@ -45,6 +44,7 @@ class AsyncLLMEngine:
         self._inbox.put(_STOP)
         await asyncio.to_thread(self._thread.join)
         self._thread = None
+        self.engine.close()
 
     @property
     def is_running(self) -> bool:

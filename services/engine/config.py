@@ -19,6 +19,17 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_mb: int | None = None  # None: enough blocks for max_num_seqs full-length sequences, capped
     seed: int = 0
+    # Offload runtime (services/engine/offload): which policy, how big the device expert cache, which link.
+    offload_policy: str = "resident"
+    expert_cache_gb: float | None = None
+    expert_cache_experts: int | None = None
+    expert_cache_fraction: float | None = None  # of all experts; default 0.25 when offloading
+    link: str = "emulated"  # emulated (CPU or GPU) | native (CUDA copy engine)
+    link_gbps: float | None = None  # emulated link bandwidth in GB/s (gigabytes per second)
+    link_ratio: float | None = None  # emulated: one expert's transfer = R x one expert's compute (default 30)
+    prefetch_distance: int = 2
+    eviction: str | None = None  # override the policy's eviction policy
+    routing_trace: str | None = None  # recorded routing for the oracle / belady policies
     extra: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -37,6 +48,18 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.kv_cache_mb is not None and self.kv_cache_mb < 1:
             raise ValueError(f"kv_cache_mb must be positive, got {self.kv_cache_mb}")
+        if self.link not in ("emulated", "native"):
+            raise ValueError(f"unknown link {self.link!r}: use emulated or native")
+        if self.link == "native" and not self.device.startswith("cuda"):
+            raise ValueError("--link native needs a CUDA device; use --link emulated on CPU")
+        for name in ("expert_cache_gb", "expert_cache_experts", "expert_cache_fraction", "link_gbps", "link_ratio"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if self.expert_cache_fraction is not None and self.expert_cache_fraction > 1:
+            raise ValueError(f"expert_cache_fraction must be in (0, 1], got {self.expert_cache_fraction}")
+        if self.prefetch_distance < 1:
+            raise ValueError(f"prefetch_distance must be at least 1, got {self.prefetch_distance}")
 
     def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         if self.dtype != "auto":
@@ -53,6 +76,11 @@ class EngineConfig:
             raw = os.environ.get(f"HINTSERVE_{f.name.upper()}")
             if raw is None or f.name == "extra":
                 continue
-            values[f.name] = int(raw) if f.type in ("int", "int | None") else raw
+            if f.type in ("int", "int | None"):
+                values[f.name] = int(raw)
+            elif f.type == "float | None":
+                values[f.name] = float(raw)
+            else:
+                values[f.name] = raw
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]

@@ -40,6 +40,18 @@ class ExpertProvider(ABC):
     def end_step(self, ctx: StepContext) -> None:  # noqa: B027 - optional hook
         """Called after the last layer of a step."""
 
+    def engine_stats(self) -> dict[str, float]:
+        """Counters for the engine's Stats RPC (offload hits, bytes moved, ...)."""
+        return {}
+
+    @property
+    @abstractmethod
+    def device_bytes(self) -> int:
+        """Bytes of expert weights this provider keeps on the compute device."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Stops background work (transfer threads)."""
+
 
 class ResidentExpertProvider(ExpertProvider):
     """Every expert lives on the compute device: no offload (the speed bound)."""
@@ -52,3 +64,7 @@ class ResidentExpertProvider(ExpertProvider):
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         return self._experts[layer][expert]  # type: ignore[index]
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(w.nbytes for layer in self._experts if layer for w in layer)

@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import time
 from collections import Counter
 
+import torch
 from transformers import AutoTokenizer
 
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
 from services.engine.errors import ContextLengthExceededError, InvalidRequestError
-from services.engine.expert_provider import ExpertProvider
 from services.engine.model_runner import ModelRunner
 from services.engine.models.loader import load_model
 from services.engine.models.spec import load_hf_config, spec_from_config
+from services.engine.offload.setup import build_expert_provider
 from services.engine.output_processor import RequestStream, process_token
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
@@ -25,6 +27,10 @@ from services.engine.sequence import Sequence
 
 _MAX_DEFAULT_CONTEXT = 4096
 _MAX_DEFAULT_KV_BYTES = 2 << 30
+
+
+def _finished(reason: str) -> str:
+    return f'requests_finished_total{{reason="{reason}"}}'
 
 
 def _generation_eos_ids(model_dir: str) -> list[int]:
@@ -37,7 +43,7 @@ def _generation_eos_ids(model_dir: str) -> list[int]:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, expert_provider: ExpertProvider | None = None) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         config.validate()
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
@@ -46,7 +52,11 @@ class LLMEngine:
         if self.max_model_len > model_positions:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {model_positions}")
         loaded = load_model(
-            config.model, config.dtype, config.device, self.max_model_len, expert_provider=expert_provider
+            config.model,
+            config.dtype,
+            config.device,
+            self.max_model_len,
+            make_provider=functools.partial(build_expert_provider, config),
         )
         self.spec = loaded.spec
         self.dtype = loaded.dtype
@@ -114,8 +124,8 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {seq.request_id!r} is already in flight")
         self._streams[seq.request_id] = (seq, RequestStream(seq, self.tokenizer))
         self.scheduler.add(seq)
-        self.counters["requests_received"] += 1
-        self.counters["prompt_tokens"] += seq.num_prompt_tokens
+        self.counters["requests_received_total"] += 1
+        self.counters["prompt_tokens_total"] += seq.num_prompt_tokens
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
         seq = self.make_sequence(request_id, prompt, params)
@@ -130,7 +140,7 @@ class LLMEngine:
         del self._streams[request_id]
         seq, _ = entry
         self.scheduler.abort(request_id)
-        self.counters["requests_finished_abort"] += 1
+        self.counters[_finished('abort')] += 1
         return RequestOutput(
             request_id, "", [], seq.num_prompt_tokens, seq.num_completion_tokens, True, "abort", seq.serial
         )
@@ -147,9 +157,9 @@ class LLMEngine:
         tokens = self.runner.run(seqs, is_prefill)
         elapsed = time.perf_counter() - start
         kind = "prefill" if is_prefill else "decode"
-        self.counters[f"{kind}_steps"] += 1
-        self.counters[f"{kind}_seconds"] += elapsed
-        self.counters[f"{kind}_tokens"] += sum(len(s) for s in seqs) if is_prefill else len(seqs)
+        self.counters[f"{kind}_steps_total"] += 1
+        self.counters[f"{kind}_seconds_total"] += elapsed
+        self.counters[f"{kind}_tokens_total"] += sum(len(s) for s in seqs) if is_prefill else len(seqs)
         outputs = []
         now = time.monotonic()
         for seq, token in zip(seqs, tokens):
@@ -158,18 +168,18 @@ class LLMEngine:
                 seq.first_token_time = now
             _, stream = self._streams[seq.request_id]
             out, reason = process_token(seq, stream, token, self.eos_ids, self.max_model_len)
-            self.counters["generation_tokens"] += 1
+            self.counters["generation_tokens_total"] += 1
             if reason:
                 self.scheduler.finish(seq, reason)
                 del self._streams[seq.request_id]
-                self.counters[f"requests_finished_{reason}"] += 1
+                self.counters[_finished(reason)] += 1
             outputs.append(out)
         return outputs
 
     # ---- conveniences ----
     def generate(self, prompts: list[str | list[int]], params: SamplingParams) -> list[list[int]]:
         """Offline batch generation: completion token ids per prompt, in order."""
-        ids = [f"offline-{self.counters['requests_received']}-{i}" for i in range(len(prompts))]
+        ids = [f"offline-{self.counters['requests_received_total']}-{i}" for i in range(len(prompts))]
         seqs = [self.add_request(rid, p, params) for rid, p in zip(ids, prompts)]
         while self.has_unfinished():
             self.step()
@@ -187,9 +197,29 @@ class LLMEngine:
             num_waiting=float(len(self.scheduler.waiting)),
             kv_blocks_used=float(self.block_manager.num_used),
             kv_blocks_total=float(self.block_manager.num_blocks),
-            num_preemptions=float(self.scheduler.num_preemptions),
+            preemptions_total=float(self.scheduler.num_preemptions),
+            device_bytes=float(self.device_bytes()),
         )
+        stats.update(self.model.experts.engine_stats())
         return stats
+
+    def device_bytes(self) -> int:
+        """Peak device memory: the allocator's figure on CUDA, else tracked bytes of device tensors."""
+        if self.config.device.startswith("cuda"):
+            return torch.cuda.max_memory_allocated(self.config.device)
+        m = self.model
+        tensors = [m.w.embed, m.w.lm_head, m.w.final_norm, *m.k_caches, *m.v_caches]
+        for layer in m.w.layers:
+            tensors += [t for t in vars(layer.attention).values() if isinstance(t, torch.Tensor)]
+            tensors += [t for t in (layer.input_norm, layer.post_attention_norm, layer.router) if t is not None]
+            for mlp in (layer.dense_mlp, layer.shared_expert):
+                if mlp is not None:
+                    tensors += [mlp.gate_up, mlp.down]
+        unique = {id(t): t for t in tensors}
+        return sum(t.numel() * t.element_size() for t in unique.values()) + m.experts.device_bytes
+
+    def close(self) -> None:
+        self.model.experts.close()
 
     def model_info(self) -> dict[str, object]:
         spec = self.spec

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from services.engine.block_manager import BlockManager
@@ -27,6 +29,8 @@ class ModelRunner:
         self.device = device
         self.generator = torch.Generator().manual_seed(seed)
         self.num_steps = 0
+        # Called with each step's context after the forward pass (routing traces, predictor contexts).
+        self.step_observers: list[Callable[[StepContext], None]] = []
         model.allocate_kv_cache(block_manager.num_blocks * block_manager.block_size)
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
@@ -39,9 +43,12 @@ class ModelRunner:
             request_ids=[s.request_id for s in seqs],
             num_tokens=int(input_ids.shape[0]),
             step_index=self.num_steps,
+            seq_lens=meta.seq_lens,
         )
         self.num_steps += 1
         hidden = self.model.forward(input_ids, positions, meta, ctx)
+        for observe in self.step_observers:
+            observe(ctx)
         logits = self.model.compute_logits(hidden if last is None else hidden[last])
         for seq in seqs:
             seq.num_cached_tokens = len(seq)

@@ -19,6 +19,7 @@ class StepContext:
     request_ids: list[str]
     num_tokens: int
     step_index: int = 0
+    seq_lens: list[int] = field(default_factory=list)  # tokens per request in this step, in batch order
     # Filled layer by layer as the step runs, for prefetchers and trace recording.
     router_probs: dict[int, torch.Tensor] = field(default_factory=dict)
     layer_inputs: dict[int, torch.Tensor] = field(default_factory=dict)

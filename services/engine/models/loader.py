@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +12,14 @@ from services.engine.expert_provider import ExpertProvider, ResidentExpertProvid
 from services.engine.models.checkpoint import Checkpoint
 from services.engine.models.model import MoECausalLM
 from services.engine.models.spec import ModelSpec, load_hf_config, rope_inv_freq, spec_from_config
-from services.engine.models.weights import WeightReader, expert_loader, load_non_expert_weights
+from services.engine.models.weights import (
+    NonExpertWeights,
+    WeightReader,
+    expert_loader,
+    load_non_expert_weights,
+)
+
+ProviderFactory = Callable[[WeightReader, ModelSpec, NonExpertWeights], ExpertProvider]
 
 
 @dataclass
@@ -39,9 +47,9 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str = "cpu",
     max_len: int | None = None,
-    expert_provider: ExpertProvider | None = None,
+    make_provider: ProviderFactory | None = None,
 ) -> LoadedModel:
-    """Non-expert weights go to `device`; experts come from `expert_provider` (default: all resident)."""
+    """Non-expert weights go to `device`; experts come from `make_provider`'s provider (default: resident)."""
     hf_config = load_hf_config(model_dir)
     spec = spec_from_config(hf_config)
     ckpt = Checkpoint(model_dir)
@@ -53,7 +61,7 @@ def load_model(
         torch_dtype = getattr(torch, dtype)
     reader = WeightReader(ckpt, torch_dtype, device)
     weights = load_non_expert_weights(reader, spec)
-    provider = expert_provider or load_resident_experts(reader, spec)
+    provider = (make_provider or (lambda r, s, _w: load_resident_experts(r, s)))(reader, spec, weights)
     inv_freq, scaling = rope_inv_freq(hf_config)
     model = MoECausalLM(spec, weights, provider, inv_freq, scaling, max_len or spec.max_position_embeddings)
     return LoadedModel(model, spec, hf_config, reader, torch_dtype)

@@ -61,9 +61,9 @@ class MoECausalLM:
             residual = h
             x = rms_norm(h, layer.input_norm, spec.rms_norm_eps)
             h = residual + self._attention(i, layer.attention, x, cos, sin, meta)
-            residual = h
+            ctx.layer_inputs[i] = h  # the residual stream entering the MoE block (speculative prefetch)
             x = rms_norm(h, layer.post_attention_norm, spec.rms_norm_eps)
-            h = residual + self._mlp(i, layer, x, ctx)
+            h = h + self._mlp(i, layer, x, ctx)
         self.experts.end_step(ctx)
         return rms_norm(h, self.w.final_norm, spec.rms_norm_eps)
 

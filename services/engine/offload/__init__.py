@@ -1,0 +1,1 @@
+"""The offload runtime: host expert store, device expert cache, transfer engine, policies and prefetchers."""

@@ -1,0 +1,64 @@
+"""The real link on CUDA: copies on a dedicated copy stream from pinned memory, readiness as CUDA events."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from services.engine.offload.link import Link, ReadyEvent
+
+_MAX_CHUNKS_IN_FLIGHT = 2  # keeps the copy queue short so a demand fetch waits at most a chunk or two
+
+
+class CudaEvent(ReadyEvent):
+    def __init__(self) -> None:
+        self.event = torch.cuda.Event()
+        self._recorded = threading.Event()  # the worker has enqueued every chunk and recorded `event`
+
+    def is_ready(self) -> bool:
+        return self._recorded.is_set() and self.event.query()
+
+    def wait(self) -> None:
+        # Waiting on an unrecorded CUDA event is a no-op, so first wait (rarely) for the worker to enqueue;
+        # then the compute stream waits on the copy stream's event: device-side ordering, no host sync.
+        self._recorded.wait()
+        torch.cuda.current_stream().wait_event(self.event)
+
+    def synchronize(self) -> None:
+        self._recorded.wait()
+        self.event.synchronize()
+
+
+class CudaLink(Link):
+    name = "native"
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.copy_stream = torch.cuda.Stream(device=self.device)
+        self._chunk_events: list[torch.cuda.Event] = []
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, fence: torch.cuda.Event | None = None) -> None:
+        with torch.cuda.stream(self.copy_stream):
+            if fence is not None:  # the slot's previous contents must be consumed before we overwrite it
+                self.copy_stream.wait_event(fence)
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.copy_stream)
+        self._chunk_events.append(done)
+        if len(self._chunk_events) > _MAX_CHUNKS_IN_FLIGHT:
+            self._chunk_events.pop(0).synchronize()  # worker thread only: throttles how far we enqueue ahead
+
+    def new_event(self) -> ReadyEvent:
+        return CudaEvent()
+
+    def complete(self, event: ReadyEvent) -> None:
+        assert isinstance(event, CudaEvent)
+        event.event.record(self.copy_stream)
+        event._recorded.set()
+
+    @staticmethod
+    def compute_fence() -> torch.cuda.Event:
+        fence = torch.cuda.Event()
+        fence.record(torch.cuda.current_stream())
+        return fence

@@ -1,0 +1,22 @@
+"""Eviction policies by name: adding one is one file and one line here."""
+
+from __future__ import annotations
+
+from services.engine.offload.eviction.base import EvictionPolicy
+from services.engine.offload.eviction.belady import BeladyEviction
+from services.engine.offload.eviction.eam import EAMEviction
+from services.engine.offload.eviction.finemoe import FineMoEEviction
+from services.engine.offload.eviction.lfu import LFUEviction
+from services.engine.offload.eviction.lru import LRUEviction
+from services.engine.offload.eviction.static import StaticEviction
+
+EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
+    "lru": LRUEviction,
+    "lfu": LFUEviction,
+    "finemoe": FineMoEEviction,
+    "eam": EAMEviction,
+    "static": StaticEviction,
+    "belady": BeladyEviction,
+}
+
+__all__ = ["EVICTION_POLICIES", "EvictionPolicy"]

@@ -1,0 +1,111 @@
+"""The device expert cache: a fixed pool of slots allocated once, a slot table, pins, eviction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.engine.expert_provider import ExpertWeights
+from services.engine.offload.eviction.base import EvictionPolicy
+from services.engine.offload.host_store import ExpertLayout, Key
+from services.engine.offload.link import ReadyEvent
+from services.engine.step_context import StepContext
+
+
+@dataclass(eq=False)
+class Slot:
+    index: int
+    key: Key | None = None
+    event: ReadyEvent | None = None  # set while (or after) its transfer runs
+    transfer: object | None = None  # the Transfer that filled it
+    pins: int = 0
+    prefetched: bool = False  # filled by a prefetch that no router has asked for yet
+    protected: bool = False  # an unused prefetch whose target layer has not passed: keep it (MoE-Infinity)
+    fence: object | None = None  # CUDA: compute-stream event after the last use of the old contents
+
+    @property
+    def ready(self) -> bool:
+        return self.event is not None and self.event.is_ready()
+
+    @property
+    def loading(self) -> bool:
+        return self.event is not None and not self.event.is_ready()
+
+
+class ExpertCache:
+    def __init__(
+        self, num_slots: int, layout: ExpertLayout, dtype: torch.dtype, device: str, eviction: EvictionPolicy
+    ) -> None:
+        self.layout = layout
+        self.eviction = eviction
+        self.storage = torch.empty(num_slots, layout.numel, dtype=dtype, device=device)
+        self.slots = [Slot(i) for i in range(num_slots)]
+        self._weights = [layout.views(self.storage[i]) for i in range(num_slots)]
+        self._slot_of: dict[Key, Slot] = {}
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.slots)
+
+    @property
+    def num_occupied(self) -> int:
+        return len(self._slot_of)
+
+    @property
+    def nbytes(self) -> int:
+        return self.storage.numel() * self.storage.element_size()
+
+    def lookup(self, key: Key) -> Slot | None:
+        return self._slot_of.get(key)
+
+    def weights(self, slot: Slot) -> ExpertWeights:
+        return self._weights[slot.index]
+
+    def flat(self, slot: Slot) -> torch.Tensor:
+        return self.storage[slot.index]
+
+    def evictable(self, include_protected: bool) -> list[Key]:
+        """Resident, unpinned, fully loaded keys; protected prefetches only if `include_protected`."""
+        return [
+            s.key  # type: ignore[misc]
+            for s in self._slot_of.values()
+            if s.pins == 0 and s.ready and (include_protected or not s.protected)
+        ]
+
+    def num_available(self, include_protected: bool) -> int:
+        return len(self._free) + len(self.evictable(include_protected))
+
+    def acquire(
+        self, key: Key, ctx: StepContext | None, layer_now: int, include_protected: bool
+    ) -> tuple[Slot | None, Slot | None]:
+        """A slot for `key`: a free one, else the eviction policy's victim. Returns (slot, evicted-slot copy)."""
+        if self._free:
+            slot = self.slots[self._free.pop()]
+            evicted = None
+        else:
+            candidates = self.evictable(include_protected)
+            if not candidates:
+                return None, None
+            victim_key = self.eviction.victim(candidates, ctx, layer_now)
+            slot = self._slot_of.pop(victim_key)
+            evicted = Slot(slot.index, victim_key, prefetched=slot.prefetched)
+            self.eviction.on_evict(victim_key)
+        self._reset(slot, key)
+        self._slot_of[key] = slot
+        self.eviction.on_insert(key)
+        return slot, evicted
+
+    def release(self, slot: Slot) -> None:
+        """Frees the slot entirely (cancelled transfer, or a policy that does not cache)."""
+        if slot.key is not None and self._slot_of.get(slot.key) is slot:
+            del self._slot_of[slot.key]
+            self.eviction.on_evict(slot.key)
+        self._reset(slot, None)
+        self._free.append(slot.index)
+
+    @staticmethod
+    def _reset(slot: Slot, key: Key | None) -> None:
+        slot.key, slot.event, slot.transfer, slot.pins = key, None, None, 0
+        slot.prefetched = slot.protected = False

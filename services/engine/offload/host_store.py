@@ -1,0 +1,58 @@
+"""Every expert's weights in host memory: one contiguous buffer per expert, pinned when CUDA is present."""
+
+from __future__ import annotations
+
+import torch
+from tqdm import tqdm
+
+from services.engine.expert_provider import ExpertWeights
+from services.engine.models.spec import ModelSpec
+from services.engine.models.weights import WeightReader, expert_loader
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+class ExpertLayout:
+    """Where gate_up and down live inside one flat expert buffer (also the chunks of a transfer)."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        self.gate_up_shape = (2 * intermediate, hidden)
+        self.down_shape = (hidden, intermediate)
+        self.gate_up_numel = 2 * intermediate * hidden
+        self.numel = self.gate_up_numel + hidden * intermediate
+
+    def views(self, flat: torch.Tensor) -> ExpertWeights:
+        return ExpertWeights(
+            flat[: self.gate_up_numel].view(self.gate_up_shape), flat[self.gate_up_numel :].view(self.down_shape)
+        )
+
+    def chunks(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """One chunk per expert matrix, so a demand fetch waits at most one matrix behind a prefetch."""
+        return [flat[: self.gate_up_numel], flat[self.gate_up_numel :]]
+
+
+class HostExpertStore:
+    def __init__(self, reader: WeightReader, spec: ModelSpec, pin: bool) -> None:
+        self.layout = ExpertLayout(spec.hidden_size, spec.moe_intermediate_size)
+        self.dtype = reader.dtype
+        self.buffers: dict[Key, torch.Tensor] = {}
+        layers = [layer for layer in range(spec.num_layers) if spec.moe_layers[layer]]
+        for layer in tqdm(layers, desc="host expert store", unit="layer", leave=False):
+            load = expert_loader(reader, spec, layer)
+            for expert in range(spec.num_experts):
+                w = load(expert, "cpu")  # never placed on the device
+                flat = torch.empty(self.layout.numel, dtype=reader.dtype, pin_memory=pin)
+                flat[: self.layout.gate_up_numel].copy_(w.gate_up.flatten())
+                flat[self.layout.gate_up_numel :].copy_(w.down.flatten())
+                self.buffers[(layer, expert)] = flat
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.layout.numel * self.dtype.itemsize
+
+    @property
+    def total_bytes(self) -> int:
+        return self.expert_bytes * len(self.buffers)
+
+    def weights(self, key: Key) -> ExpertWeights:
+        return self.layout.views(self.buffers[key])

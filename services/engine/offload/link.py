@@ -1,0 +1,106 @@
+"""The host-to-device link: copies one chunk at a time and signals readiness to the compute side.
+
+CPU-only machines use `EmulatedLink`: the copy runs on the transfer worker thread and then the thread waits
+until the chunk would have finished at the configured bandwidth, so transfers cost real wall-clock time and
+overlap with compute exactly as a copy engine does on a GPU. The link keeps a virtual clock (`busy_until`) so
+many small chunks add up to the right total despite sleep granularity.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class ReadyEvent(ABC):
+    """Completion of one expert's transfer, as the compute side sees it."""
+
+    @abstractmethod
+    def is_ready(self) -> bool: ...
+
+    @abstractmethod
+    def wait(self) -> None:
+        """Makes the compute side wait (CUDA: the compute stream waits on an event; no host sync)."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Blocks the calling host thread until the transfer has landed."""
+
+
+class ThreadEvent(ReadyEvent):
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def is_ready(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self) -> None:
+        self._event.wait()
+
+    def synchronize(self) -> None:
+        self._event.wait()
+
+
+class Link(ABC):
+    name: str
+
+    @abstractmethod
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copies one chunk (called on the transfer worker thread only)."""
+
+    @abstractmethod
+    def new_event(self) -> ReadyEvent: ...
+
+    @abstractmethod
+    def complete(self, event: ReadyEvent) -> None:
+        """Marks `event` done once every chunk copied so far has landed."""
+
+
+class EmulatedLink(Link):
+    """A link of `bytes_per_second`, emulated in wall-clock time on the worker thread."""
+
+    name = "emulated"
+
+    def __init__(self, bytes_per_second: float) -> None:
+        if bytes_per_second <= 0:
+            raise ValueError(f"link bandwidth must be positive, got {bytes_per_second}")
+        self.bytes_per_second = bytes_per_second
+        self._busy_until = 0.0
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        start = max(time.perf_counter(), self._busy_until)
+        self._busy_until = start + src.numel() * src.element_size() / self.bytes_per_second
+        dst.copy_(src)
+        delay = self._busy_until - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+
+    def new_event(self) -> ReadyEvent:
+        return ThreadEvent()
+
+    def complete(self, event: ReadyEvent) -> None:
+        event.set()  # type: ignore[attr-defined]
+
+
+def expert_compute_seconds(hidden: int, intermediate: int, dtype: torch.dtype, repeats: int = 200) -> float:
+    """Median time of one expert's SwiGLU on one token on this machine (the unit of --link-ratio)."""
+    from services.engine.models.moe import swiglu
+
+    x = torch.randn(1, hidden, dtype=dtype)
+    gate_up = torch.randn(2 * intermediate, hidden, dtype=dtype)
+    down = torch.randn(hidden, intermediate, dtype=dtype)
+    for _ in range(20):
+        swiglu(x, gate_up, down)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        swiglu(x, gate_up, down)
+        samples.append(time.perf_counter() - start)
+    samples.sort()
+    return samples[len(samples) // 2]

@@ -1,0 +1,51 @@
+"""Offload policies users pick with --offload-policy: eviction + prefetchers + phase rules.
+
+Each reproduces a system our users compare against; adding one is one entry here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.engine.offload.provider import PhaseRules
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    name: str
+    description: str
+    eviction: str = "lru"
+    prefetchers: tuple[str, ...] = ()
+    rules: PhaseRules = field(default_factory=PhaseRules)
+    needs_trace: bool = False  # replays a routing trace recorded from an identical earlier run
+
+
+POLICIES: dict[str, OffloadPolicy] = {
+    p.name: p
+    for p in (
+        OffloadPolicy("resident", "no offload: every expert on the device (the speed bound)"),
+        OffloadPolicy(
+            "ondemand",
+            "fetch after the router, block on each expert, keep nothing (HF Accelerate, DuoServe's ACC)",
+            rules=PhaseRules(early_demand=False, keep_cache=False),
+        ),
+        OffloadPolicy("layer", "fetch every expert of the next layer (DeepSpeed-Inference / MoESys)",
+                      prefetchers=("layer",)),
+        OffloadPolicy("lru", "LRU expert cache, all misses queued right after the router (Mixtral-Offloading)"),
+        OffloadPolicy("speculative", "LRU + the next layers' routers applied to this layer's hidden state",
+                      prefetchers=("speculative",)),
+        OffloadPolicy("duoserve", "prefill streamed through top-k slots + decode affinity prefetch (DuoServe)",
+                      prefetchers=("affinity",), rules=PhaseRules(stream_prefill=True)),
+        OffloadPolicy("oracle", "perfect prefetch replaying a recorded routing trace (the prediction bound)",
+                      prefetchers=("oracle",), needs_trace=True),
+        OffloadPolicy("belady", "no prefetch, Belady's optimal eviction from a recorded trace (the caching bound)",
+                      eviction="belady", needs_trace=True),
+    )
+}
+
+
+def get_policy(name: str) -> OffloadPolicy:
+    policy = POLICIES.get(name)
+    if policy is None:
+        raise ValueError(f"unknown offload policy {name!r}; choose from: {', '.join(POLICIES)}")
+    return policy

@@ -1,0 +1,42 @@
+"""One interface for every prefetcher: after a layer's router, which experts to fetch ahead, how urgently."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from services.engine.step_context import StepContext
+
+
+@dataclass(frozen=True)
+class PrefetchRequest:
+    layer: int
+    expert: int
+    priority: float  # higher first
+    next_step: bool = False  # for the following step (wrapping past the last layer)
+
+
+class Prefetcher(ABC):
+    name: str = ""
+
+    @abstractmethod
+    def plan(self, layer: int, ctx: StepContext) -> list[PrefetchRequest]:
+        """Called right after `layer`'s router; ctx holds router probabilities and layer inputs so far."""
+
+    def on_step_end(self, ctx: StepContext) -> None:  # noqa: B027 - optional hook
+        """The step's last layer has run (online statistics update here)."""
+
+
+def targets(layer: int, distance: int, moe_layers: tuple[bool, ...]) -> list[tuple[int, int, bool]]:
+    """The next `distance` MoE layers after `layer` as (hops, layer, next_step), wrapping into the next step."""
+    out: list[tuple[int, int, bool]] = []
+    num = len(moe_layers)
+    position = layer
+    hops = 0
+    while len(out) < distance and hops < 2 * num:
+        position += 1
+        hops += 1
+        target = position % num
+        if moe_layers[target]:
+            out.append((len(out) + 1, target, position >= num))
+    return out

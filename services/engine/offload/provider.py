@@ -1,0 +1,248 @@
+"""The offloaded ExpertProvider: cache hits in place, early demand fetches, prefetch plans, phase rules."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from services.engine.expert_provider import ExpertProvider, ExpertWeights
+from services.engine.offload.expert_cache import ExpertCache, Slot
+from services.engine.offload.host_store import HostExpertStore, Key
+from services.engine.offload.prefetch.base import Prefetcher, PrefetchRequest
+from services.engine.offload.stats import OffloadStats
+from services.engine.offload.transfer_engine import Transfer, TransferEngine
+from services.engine.step_context import StepContext
+
+_DEMAND = float("inf")
+
+
+@dataclass(frozen=True)
+class PhaseRules:
+    early_demand: bool = True  # ProMoE: queue every miss right after the router, compute resident ones first
+    keep_cache: bool = True  # False: free each expert after use (HF Accelerate)
+    stream_prefill: bool = False  # DuoServe: stream prefill experts through `stream_slots` slots
+    prefetch_in_prefill: bool = False  # prefill touches nearly every expert; prefetching there mostly wastes
+
+
+class OffloadedExpertProvider(ExpertProvider):
+    """Weights returned by `get` stay valid until the next `get` or `end_layer` of the same layer."""
+
+    def __init__(
+        self,
+        store: HostExpertStore,
+        cache: ExpertCache,
+        transfers: TransferEngine,
+        prefetchers: list[Prefetcher],
+        rules: PhaseRules,
+        stats: OffloadStats,
+        stream_slots: int = 2,
+        fence=None,
+    ) -> None:
+        self.store = store
+        self.cache = cache
+        self.transfers = transfers
+        self.prefetchers = prefetchers
+        self.rules = rules
+        self.stats = stats
+        self.stream_slots = stream_slots
+        self._fence = fence  # CUDA: records a compute-stream event before a slot's contents are replaced
+        self._layer = -1
+        self._ctx: StepContext | None = None
+        self._pinned: list[Slot] = []
+        self._pending: deque[int] = deque()  # this layer's misses still without a slot
+        self._demanded: set[int] = set()  # slot indices this layer fetched on demand and still holds
+        self._depth: int | None = None
+        self._current: Slot | None = None
+        self._prefetches: list[tuple[Transfer, Slot]] = []  # unused prefetches whose target is ahead
+
+    # ---- the ExpertProvider protocol ----
+    def begin_layer(self, layer: int, experts: list[int], ctx: StepContext) -> list[int]:
+        self._layer, self._ctx = layer, ctx
+        self._expire_prefetches(ctx, layer)
+        eviction = self.cache.eviction
+        probs = ctx.router_probs.get(layer)
+        if probs is not None:
+            eviction.on_layer_routed(layer, probs.mean(dim=0).tolist(), ctx)
+        self._depth = self.stream_slots if ctx.is_prefill and self.rules.stream_prefill else None
+        hits, inflight, misses = [], [], []
+        for expert in experts:
+            key = (layer, expert)
+            eviction.on_access(key, ctx)
+            slot = self.cache.lookup(key)
+            if slot is None:
+                misses.append(expert)
+                self.stats.misses[layer] += 1
+                continue
+            if slot.prefetched:
+                slot.prefetched = slot.protected = False
+                self.stats.prefetches_used += 1
+            self._pin(slot)
+            if slot.ready:
+                hits.append(expert)
+                self.stats.hits[layer] += 1
+            else:
+                inflight.append(expert)
+                self.stats.inflight_hits[layer] += 1
+                self.transfers.promote(slot.transfer)  # type: ignore[arg-type]
+        self._pending = deque(misses)
+        self._demanded.clear()
+        if self.rules.early_demand:
+            self._issue_pending()
+        if self.prefetchers and (self.rules.prefetch_in_prefill or not ctx.is_prefill):
+            for prefetcher in self.prefetchers:
+                self._issue_prefetches(prefetcher.plan(layer, ctx), ctx)
+        self._track_peak()
+        return hits + inflight + misses
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        self._finish_current()
+        slot = self.cache.lookup((layer, expert))
+        if slot is None:
+            if expert in self._pending:
+                self._pending.remove(expert)
+            slot = self._demand(expert)
+        elif slot.pins == 0:  # landed after the router looked (a late prefetch)
+            self._pin(slot)
+        if self.rules.early_demand:
+            self._issue_pending()
+        self._current = slot
+        event = slot.event
+        if event.is_ready():  # type: ignore[union-attr]
+            event.wait()  # type: ignore[union-attr]  # CUDA: orders the compute stream after the copy
+        else:
+            start = time.perf_counter()
+            event.wait()  # type: ignore[union-attr]
+            self.stats.blocking_seconds += time.perf_counter() - start
+        return self.cache.weights(slot)
+
+    def end_layer(self, layer: int, ctx: StepContext) -> None:
+        self._finish_current()
+        for slot in self._pinned:
+            slot.pins = max(0, slot.pins - 1)
+        self._pinned.clear()
+
+    def end_step(self, ctx: StepContext) -> None:
+        self.cache.eviction.on_step_end(ctx)
+        for prefetcher in self.prefetchers:
+            prefetcher.on_step_end(ctx)
+        self.stats.slots_occupied = self.cache.num_occupied
+
+    def engine_stats(self) -> dict[str, float]:
+        return self.stats.as_engine_stats()
+
+    @property
+    def device_bytes(self) -> int:
+        return self.cache.nbytes
+
+    def close(self) -> None:
+        self.transfers.shutdown()
+
+    # ---- demand ----
+    def _pin(self, slot: Slot) -> None:
+        slot.pins += 1
+        self._pinned.append(slot)
+
+    def _issue_pending(self) -> None:
+        while self._pending and (self._depth is None or len(self._demanded) < self._depth):
+            if self.cache.num_available(include_protected=True) == 0:
+                return
+            self._demand(self._pending.popleft())
+
+    def _demand(self, expert: int) -> Slot:
+        key = (self._layer, expert)
+        slot, evicted = self.cache.acquire(key, self._ctx, self._layer, include_protected=True)
+        while slot is None:  # every slot is pinned or loading: take one back from the prefetches
+            self._reclaim_prefetch_slot()
+            slot, evicted = self.cache.acquire(key, self._ctx, self._layer, include_protected=True)
+        self._account_eviction(evicted)
+        self._start_transfer(slot, key, demand=True, priority=_DEMAND, target=(0, 0))
+        self._pin(slot)
+        self._demanded.add(slot.index)
+        self._track_peak()
+        return slot
+
+    def _finish_current(self) -> None:
+        slot = self._current
+        if slot is None:
+            return
+        self._current = None
+        slot.pins = max(0, slot.pins - 1)
+        self._pinned.remove(slot)
+        self._demanded.discard(slot.index)
+        if self._fence is not None:
+            slot.fence = self._fence()
+        if not self.rules.keep_cache and slot.pins == 0:
+            self.cache.release(slot)
+
+    def _reclaim_prefetch_slot(self) -> None:
+        loading = [s for s in self.cache.slots if s.key is not None and s.pins == 0 and s.loading]
+        for slot in loading:
+            if self.transfers.cancel(slot.transfer):  # type: ignore[arg-type]
+                self.cache.release(slot)
+                self.stats.prefetches_cancelled += 1
+                return
+        if not loading:
+            raise RuntimeError("expert cache too small: every slot is pinned by the current layer")
+        loading[0].event.synchronize()  # type: ignore[union-attr]  # already on the link: let it land
+
+    # ---- prefetch ----
+    def _issue_prefetches(self, requests: list[PrefetchRequest], ctx: StepContext) -> None:
+        eviction = self.cache.eviction
+        for req in sorted(requests, key=lambda r: -r.priority):
+            key = (req.layer, req.expert)
+            eviction.on_prediction(key, req.priority)
+            if self.cache.lookup(key) is not None:
+                continue
+            # Leave room for this layer's own misses; never evict other protected prefetches.
+            if self.cache.num_available(include_protected=False) <= len(self._pending):
+                return
+            slot, evicted = self.cache.acquire(key, ctx, self._layer, include_protected=False)
+            if slot is None:
+                return
+            self._account_eviction(evicted)
+            target = (ctx.step_index + int(req.next_step), req.layer)
+            transfer = self._start_transfer(slot, key, demand=False, priority=req.priority, target=target)
+            slot.prefetched = slot.protected = True
+            self._prefetches.append((transfer, slot))
+            self.stats.prefetches_issued += 1
+
+    def _expire_prefetches(self, ctx: StepContext, layer: int) -> None:
+        """Prefetches whose target layer has passed: cancel if not started, else stop protecting them."""
+        now = (ctx.step_index, layer)
+        keep = []
+        for transfer, slot in self._prefetches:
+            if slot.transfer is not transfer or not slot.prefetched:
+                continue  # used by the router, evicted, or the slot was reused
+            if transfer.target >= now:
+                keep.append((transfer, slot))
+            elif self.transfers.cancel(transfer):
+                self.cache.release(slot)
+                self.stats.prefetches_cancelled += 1
+            else:
+                slot.protected = False  # a misprediction that stays cached until evicted
+        self._prefetches = keep
+
+    # ---- shared ----
+    def _start_transfer(
+        self, slot: Slot, key: Key, demand: bool, priority: float, target: tuple[int, int]
+    ) -> Transfer:
+        layout = self.store.layout
+        chunks = list(zip(layout.chunks(self.cache.flat(slot)), layout.chunks(self.store.buffers[key])))
+        slot.event = self.transfers.link.new_event()
+        transfer = Transfer(key, chunks, slot.event, demand, priority, target, fence=slot.fence)
+        slot.transfer, slot.fence = transfer, None
+        self.transfers.submit(transfer)
+        return transfer
+
+    def _account_eviction(self, evicted: Slot | None) -> None:
+        if evicted is None:
+            return
+        self.stats.evictions += 1
+        if evicted.prefetched:
+            self.stats.bytes_wasted_prefetch += self.store.expert_bytes
+
+    def _track_peak(self) -> None:
+        in_use = sum(1 for s in self.cache.slots if s.pins or s.loading)
+        if in_use > self.stats.peak_slots_in_use:
+            self.stats.peak_slots_in_use = in_use

@@ -1,0 +1,80 @@
+"""The experts each step routed to, per layer: recorded from one run, replayed by the oracle and Belady."""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+
+from services.engine.step_context import StepContext
+
+Key = tuple[int, int]
+
+
+class RoutingTrace:
+    def __init__(self, num_layers: int, steps: list[list[list[int]]] | None = None) -> None:
+        self.num_layers = num_layers
+        self.steps: list[list[list[int]]] = steps or []  # [step][layer] -> sorted expert ids
+        self._first_step: int | None = None
+        self._replay_base: int | None = None
+        self._positions: dict[Key, list[int]] | None = None
+
+    # ---- recording (a step observer) ----
+    def __call__(self, ctx: StepContext) -> None:
+        if self._first_step is None:
+            self._first_step = ctx.step_index
+        per_layer: list[list[int]] = [[] for _ in range(self.num_layers)]
+        for layer, experts in ctx.selected_experts.items():
+            per_layer[layer] = sorted(set(experts.flatten().tolist()))
+        self.steps.append(per_layer)
+        self._positions = None
+
+    # ---- replay ----
+    def replay_step(self, ctx: StepContext | None) -> int:
+        """This run's step index relative to its first step (runs must be identical to the recorded one)."""
+        if ctx is None:
+            return 0
+        if self._replay_base is None:
+            self._replay_base = ctx.step_index
+        return ctx.step_index - self._replay_base
+
+    def experts(self, step: int, layer: int) -> list[int]:
+        if 0 <= step < len(self.steps):
+            return self.steps[step][layer]
+        return []
+
+    def next_use(self, key: Key, step: int, layer: int) -> float:
+        """Position (step * layers + layer) of the next use of `key` after (step, layer); inf if never."""
+        if self._positions is None:
+            self._index()
+        positions = self._positions.get(key, [])  # type: ignore[union-attr]
+        i = bisect.bisect_right(positions, step * self.num_layers + layer)
+        return positions[i] if i < len(positions) else math.inf
+
+    def _index(self) -> None:
+        positions: dict[Key, list[int]] = {}
+        for step, layers in enumerate(self.steps):
+            for layer, experts in enumerate(layers):
+                for e in experts:
+                    positions.setdefault((layer, e), []).append(step * self.num_layers + layer)
+        self._positions = positions
+
+    def hot_set(self, size: int) -> set[Key]:
+        """The `size` most frequently used experts (a static policy's pinned set)."""
+        counts: dict[Key, int] = {}
+        for layers in self.steps:
+            for layer, experts in enumerate(layers):
+                for e in experts:
+                    counts[(layer, e)] = counts.get((layer, e), 0) + 1
+        return set(sorted(counts, key=counts.get, reverse=True)[:size])  # type: ignore[arg-type]
+
+    # ---- files ----
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump({"num_layers": self.num_layers, "steps": self.steps}, f)
+
+    @classmethod
+    def load(cls, path: str) -> RoutingTrace:
+        with open(path) as f:
+            data = json.load(f)
+        return cls(data["num_layers"], data["steps"])

@@ -1,0 +1,125 @@
+"""The transfer engine: one worker owns the link; demand before prefetch, prefetch by priority, chunked.
+
+A transfer moves one expert as a list of chunks (one per matrix). The worker copies one chunk per turn and
+puts an unfinished transfer back in the queue, so a demand fetch that arrives waits at most one chunk.
+Queued transfers can be promoted (prefetch -> demand) or cancelled (a stale prefetch) until they start.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+import torch
+
+from services.engine.offload.host_store import Key
+from services.engine.offload.link import Link, ReadyEvent
+from services.engine.offload.stats import OffloadStats
+
+
+class TransferState(Enum):
+    QUEUED = auto()  # in the heap (possibly with some chunks already copied)
+    ACTIVE = auto()  # a chunk is being copied right now
+    DONE = auto()
+    CANCELLED = auto()
+
+
+@dataclass(eq=False)
+class Transfer:
+    key: Key
+    chunks: list[tuple[torch.Tensor, torch.Tensor]]  # (device destination, host source)
+    event: ReadyEvent
+    demand: bool
+    priority: float
+    target: tuple[int, int]  # (step, layer) it is needed by; a prefetch past it is stale
+    fence: object | None = None
+    state: TransferState = TransferState.QUEUED
+    next_chunk: int = 0
+    version: int = 0  # bumped on promotion; older heap entries are skipped
+    nbytes: int = field(default=0)
+
+
+class TransferEngine:
+    def __init__(self, link: Link, stats: OffloadStats) -> None:
+        self.link = link
+        self.stats = stats
+        self._heap: list[tuple[int, float, int, int, Transfer]] = []
+        self._order = itertools.count()
+        self._cond = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="hintserve-transfer", daemon=True)
+        self._thread.start()
+
+    def submit(self, transfer: Transfer) -> None:
+        transfer.nbytes = sum(src.numel() * src.element_size() for _, src in transfer.chunks)
+        with self._cond:
+            self._push(transfer)
+            self._cond.notify()
+
+    def promote(self, transfer: Transfer) -> None:
+        """A prefetch the router now needs: move it to the demand class."""
+        with self._cond:
+            if transfer.demand or transfer.state in (TransferState.DONE, TransferState.CANCELLED):
+                return
+            transfer.demand = True
+            transfer.version += 1
+            if transfer.state is TransferState.QUEUED:
+                self._push(transfer)
+                self._cond.notify()
+
+    def cancel(self, transfer: Transfer) -> bool:
+        """Cancels a transfer that has not started; False if it is already running or done."""
+        with self._cond:
+            if transfer.state is not TransferState.QUEUED or transfer.next_chunk > 0:
+                return False
+            transfer.state = TransferState.CANCELLED
+            return True
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join()
+
+    def _push(self, t: Transfer) -> None:
+        heapq.heappush(self._heap, (0 if t.demand else 1, -t.priority, next(self._order), t.version, t))
+
+    def _pop(self) -> Transfer | None:
+        while self._heap:
+            _, _, _, version, t = heapq.heappop(self._heap)
+            if version == t.version and t.state is TransferState.QUEUED:
+                return t
+        return None
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                transfer = self._pop()
+                while transfer is None:
+                    if self._stopped:
+                        return
+                    self._cond.wait()
+                    transfer = self._pop()
+                transfer.state = TransferState.ACTIVE
+                dst, src = transfer.chunks[transfer.next_chunk]
+                demand = transfer.demand
+            if transfer.fence is not None and transfer.next_chunk == 0:
+                self.link.copy(dst, src, transfer.fence)  # type: ignore[call-arg]
+            else:
+                self.link.copy(dst, src)
+            nbytes = src.numel() * src.element_size()
+            if demand:
+                self.stats.bytes_demand += nbytes
+            else:
+                self.stats.bytes_prefetch += nbytes
+            with self._cond:
+                transfer.next_chunk += 1
+                if transfer.next_chunk < len(transfer.chunks):
+                    transfer.state = TransferState.QUEUED
+                    self._push(transfer)  # give a newly arrived demand its turn between chunks
+                    continue
+                transfer.state = TransferState.DONE
+            self.link.complete(transfer.event)
