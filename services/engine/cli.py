@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import signal
 import sys
 import time
@@ -16,13 +17,13 @@ from services.engine.sampling_params import SamplingParams
 
 def register(subparsers: Any) -> None:
     serve = subparsers.add_parser("engine", help="serve a model over gRPC until SIGINT/SIGTERM")
-    _add_engine_args(serve)
+    add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=50051, help="0 picks a free port")
     serve.set_defaults(func=run_engine)
 
     gen = subparsers.add_parser("generate", help="generate text offline with an in-process engine")
-    _add_engine_args(gen)
+    add_engine_args(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -38,25 +39,38 @@ def register(subparsers: Any) -> None:
     gen.set_defaults(func=run_generate)
 
 
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="model directory (config.json, weights, tokenizer)")
+def add_engine_args(parser: argparse.ArgumentParser, model_default: str | None = None) -> None:
+    """Flags for every EngineConfig knob; unset ones fall back to HINTSERVE_<FIELD>, then defaults."""
+    from services.engine.offload.eviction import EVICTION_POLICIES
+    from services.engine.offload.policies import POLICIES
+
+    if model_default is None:
+        parser.add_argument("--model", required=True, help="model directory (config.json, weights, tokenizer)")
+    else:
+        parser.add_argument("--model", default=model_default, help=f"model directory (default {model_default})")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=None)
     parser.add_argument("--device", default=None, help="cpu or cuda[:N]")
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-mb", type=int, default=None)
+    offload = parser.add_argument_group("expert offload")
+    offload.add_argument("--offload-policy", choices=tuple(POLICIES), default=None, help="default: resident")
+    offload.add_argument("--expert-cache-gb", type=float, default=None, help="device expert cache budget")
+    offload.add_argument("--expert-cache-experts", type=int, default=None, help="device expert cache slots")
+    offload.add_argument("--expert-cache-fraction", type=float, default=None, help="of all experts (0.25)")
+    offload.add_argument("--link", choices=("emulated", "native"), default=None)
+    offload.add_argument("--link-gbps", type=float, default=None, help="emulated link bandwidth, GB/s")
+    offload.add_argument("--link-ratio", type=float, default=None, help="emulated: transfer/compute per expert")
+    offload.add_argument("--prefetch-distance", type=int, default=None)
+    offload.add_argument("--eviction", choices=tuple(EVICTION_POLICIES), default=None)
+    offload.add_argument("--routing-trace", default=None, help="recorded routing (oracle, belady)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from flags; unset flags fall back to HINTSERVE_<FIELD> env vars, then defaults."""
-    config = EngineConfig.from_env(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_mb=args.kv_cache_mb,
-    )
+    names = [f.name for f in dataclasses.fields(EngineConfig)]
+    config = EngineConfig.from_env(**{n: getattr(args, n) for n in names if getattr(args, n, None) is not None})
     config.validate()  # raises FileNotFoundError / ValueError with a one-line message
     return config
 
