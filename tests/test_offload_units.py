@@ -1,0 +1,146 @@
+"""Transfer engine ordering, the emulated link's timing, and each eviction policy's choice."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from services.engine.offload.eviction import EVICTION_POLICIES
+from services.engine.offload.eviction.eam import EAMEviction
+from services.engine.offload.link import EmulatedLink
+from services.engine.offload.routing_trace import RoutingTrace
+from services.engine.offload.stats import OffloadStats
+from services.engine.offload.transfer_engine import Transfer, TransferEngine
+from services.engine.step_context import Phase, StepContext
+
+
+class RecordingLink(EmulatedLink):
+    """An emulated link that records the order chunks cross it; the first copy waits for a go signal."""
+
+    def __init__(self, bytes_per_second: float) -> None:
+        super().__init__(bytes_per_second)
+        self.order: list[str] = []
+        self.go = threading.Event()
+        self.entered = threading.Event()  # the worker is inside its first copy
+        self.labels: dict[int, str] = {}
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.entered.set()
+        self.go.wait()
+        self.order.append(self.labels[src.data_ptr()])
+        super().copy(dst, src)
+
+
+def _transfer(link: RecordingLink, name: str, demand: bool, priority: float, chunks: int = 2) -> Transfer:
+    srcs = [torch.full((256,), float(i)) for i in range(chunks)]
+    for i, s in enumerate(srcs):
+        link.labels[s.data_ptr()] = f"{name}{i}"
+    dsts = [torch.empty(256) for _ in srcs]
+    return Transfer((0, 0), list(zip(dsts, srcs)), link.new_event(), demand, priority, (0, 0))
+
+
+def test_demand_overtakes_queued_prefetches_between_chunks() -> None:
+    link = RecordingLink(1e9)
+    engine = TransferEngine(link, OffloadStats(1))
+    try:
+        first = _transfer(link, "p", demand=False, priority=1.0)
+        engine.submit(first)
+        link.entered.wait()
+        low = _transfer(link, "q", demand=False, priority=0.1)
+        high = _transfer(link, "r", demand=False, priority=0.9)
+        demand = _transfer(link, "d", demand=True, priority=0.0)
+        for t in (low, high, demand):
+            engine.submit(t)
+        link.go.set()
+        for t in (first, low, high, demand):
+            t.event.wait()
+        # The worker was already inside p's first chunk; then demand, then prefetches by priority.
+        assert link.order == ["p0", "d0", "d1", "p1", "r0", "r1", "q0", "q1"]
+        assert all(torch.equal(d, s) for t in (first, low, high, demand) for d, s in t.chunks)
+    finally:
+        engine.shutdown()
+
+
+def test_promote_and_cancel() -> None:
+    link = RecordingLink(1e9)
+    engine = TransferEngine(link, OffloadStats(1))
+    try:
+        blocker = _transfer(link, "b", demand=False, priority=5.0, chunks=1)
+        engine.submit(blocker)
+        link.entered.wait()
+        late = _transfer(link, "l", demand=False, priority=0.1, chunks=1)
+        stale = _transfer(link, "s", demand=False, priority=0.5, chunks=1)
+        other = _transfer(link, "o", demand=False, priority=0.9, chunks=1)
+        for t in (late, stale, other):
+            engine.submit(t)
+        engine.promote(late)
+        assert engine.cancel(stale)
+        link.go.set()
+        for t in (blocker, late, other):
+            t.event.wait()
+        assert link.order == ["b0", "l0", "o0"]
+        assert not engine.cancel(other)
+    finally:
+        engine.shutdown()
+
+
+def test_emulated_link_costs_wall_clock_time() -> None:
+    link = EmulatedLink(4e6)  # 4 MB/s: 16 chunks of 4 KiB take ~16 ms
+    src, dst = torch.ones(1024), torch.empty(1024)
+    start = time.perf_counter()
+    for _ in range(16):
+        link.copy(dst, src)
+    elapsed = time.perf_counter() - start
+    assert 0.0160 <= elapsed < 0.2
+    assert torch.equal(dst, src)
+
+
+def _ctx(step: int = 0) -> StepContext:
+    return StepContext(Phase.DECODE, ["a"], 1, step_index=step, seq_lens=[1])
+
+
+def test_lru_lfu_and_finemoe_choices() -> None:
+    lru = EVICTION_POLICIES["lru"]()
+    for key in [(0, 1), (0, 2), (0, 3)]:
+        lru.on_insert(key)
+    lru.on_access((0, 1), _ctx())
+    assert lru.victim([(0, 1), (0, 2), (0, 3)], _ctx(), 0) == (0, 2)
+
+    lfu = EVICTION_POLICIES["lfu"]()
+    for key, n in [((0, 1), 3), ((0, 2), 1), ((0, 3), 2)]:
+        for _ in range(n):
+            lfu.on_access(key, _ctx())
+    assert lfu.victim([(0, 1), (0, 2), (0, 3)], _ctx(), 0) == (0, 2)
+
+    fine = EVICTION_POLICIES["finemoe"]()
+    fine.on_layer_routed(0, [0.05, 0.6, 0.3, 0.05], _ctx())
+    for key, n in [((0, 1), 1), ((0, 2), 4)]:
+        for _ in range(n):
+            fine.on_access(key, _ctx())
+    # 1/(0.6*1) = 1.67 vs 1/(0.3*4) = 0.83: the more probable but rarely visited expert goes first
+    assert fine.victim([(0, 1), (0, 2)], _ctx(), 0) == (0, 1)
+
+
+def test_eam_priority_prefers_initial_layers() -> None:
+    eam = EAMEviction(num_layers=4, num_experts=4, initial_layer_bias=1.0)
+    ctx = StepContext(Phase.DECODE, ["a", "b"], 2, seq_lens=[1, 1])
+    ctx.selected_experts = {0: torch.tensor([[1, 2], [1, 3]]), 3: torch.tensor([[1, 2], [1, 3]])}
+    eam.on_step_end(ctx)
+    assert eam.priority((0, 1)) > eam.priority((3, 1)) > eam.priority((3, 2)) > eam.priority((3, 0)) == 0
+    assert eam.victim([(0, 2), (3, 2), (3, 0)], ctx, 0) == (3, 0)
+    eam.on_step_end(StepContext(Phase.DECODE, ["c"], 1, seq_lens=[1]))
+    assert eam.priority((0, 1)) == 0.0  # finished requests no longer weigh
+
+
+def test_belady_and_static() -> None:
+    trace = RoutingTrace(2, [[[0], [1]], [[2], [1]], [[0], [3]]])
+    belady = EVICTION_POLICIES["belady"](trace)
+    # At step 0 layer 1: (0, 2) is next used at step 1, (0, 0) at step 2, (1, 3) at step 2 layer 1.
+    assert belady.victim([(0, 0), (0, 2), (1, 3)], _ctx(0), 1) == (1, 3)
+    static = EVICTION_POLICIES["static"]({(0, 0)})
+    static.on_insert((0, 0))
+    static.on_insert((0, 1))
+    assert static.victim([(0, 0), (0, 1)], _ctx(), 0) == (0, 1)
+    assert trace.hot_set(1) in ({(0, 0)}, {(1, 1)})
