@@ -1,4 +1,4 @@
-"""The OpenAI API through the real `openai` client against a live gateway (loopback socket, in-process engine)."""
+"""The OpenAI API through the real `openai` client against a live gateway (loopback, in-process engine)."""
 
 from __future__ import annotations
 
@@ -35,20 +35,28 @@ async def served(tiny_mixtral_dir: str) -> AsyncIterator[SimpleNamespace]:
     async with started_engine(tiny_mixtral_dir, max_num_seqs=8) as engine:
         async with running_gateway([InProcessEngineClient(engine)], tiny_mixtral_dir) as (gateway, server):
             client = openai_client(server)
-            yield SimpleNamespace(engine=engine, gateway=gateway, server=server, client=client, dir=tiny_mixtral_dir)
+            yield SimpleNamespace(
+                engine=engine, gateway=gateway, server=server, client=client, dir=tiny_mixtral_dir
+            )
             await client.close()
 
 
 def chat_prompt_ids(model_dir: str, messages: list[dict[str, str]]) -> list[int]:
     tok = cached_tokenizer(model_dir)
-    return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
-                      add_special_tokens=False)
+    return tok.encode(
+        tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )
 
 
 async def direct(engine: Any, prompt: Any, **params: Any) -> tuple[str, list[int], str]:
     """What the engine itself generates: the reference for the gateway's answers."""
     outs = [o async for o in engine.generate("direct", prompt, SamplingParams(**params))]
-    return "".join(o.delta_text for o in outs), [t for o in outs for t in o.delta_token_ids], outs[-1].finish_reason
+    return (
+        "".join(o.delta_text for o in outs),
+        [t for o in outs for t in o.delta_token_ids],
+        outs[-1].finish_reason,
+    )
 
 
 async def test_chat_non_streaming_matches_engine(served: SimpleNamespace) -> None:
@@ -62,7 +70,11 @@ async def test_chat_non_streaming_matches_engine(served: SimpleNamespace) -> Non
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == text
     assert r.choices[0].finish_reason == "length"
-    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (len(ids), 8, len(ids) + 8)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
+        len(ids),
+        8,
+        len(ids) + 8,
+    )
     # max_completion_tokens is OpenAI's newer name for the same thing
     r2 = await served.client.chat.completions.create(
         model=MODEL, messages=MESSAGES, max_completion_tokens=3, temperature=0, extra_body=IGNORE_EOS
@@ -72,8 +84,13 @@ async def test_chat_non_streaming_matches_engine(served: SimpleNamespace) -> Non
 
 async def test_chat_streaming_with_usage(served: SimpleNamespace) -> None:
     stream = await served.client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body=IGNORE_EOS,
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=IGNORE_EOS,
     )
     chunks = [c async for c in stream]
     ids = chat_prompt_ids(served.dir, MESSAGES)
@@ -81,7 +98,9 @@ async def test_chat_streaming_with_usage(served: SimpleNamespace) -> None:
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
-    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        "length"
+    ]
     assert chunks[-1].choices == []
     assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (len(ids), 8)
     assert all(c.usage is None for c in chunks[:-1])
@@ -101,11 +120,20 @@ async def test_completions_text_token_ids_and_streaming(served: SimpleNamespace)
             model=MODEL, prompt=prompt, max_tokens=6, temperature=0, extra_body=IGNORE_EOS
         )
         assert r.object == "text_completion" and r.choices[0].text == text
-        assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (len(ids), 6, len(ids) + 6)
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
+            len(ids),
+            6,
+            len(ids) + 6,
+        )
 
     stream = await served.client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body=IGNORE_EOS,
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=IGNORE_EOS,
     )
     chunks = [c async for c in stream]
     assert "".join(c.choices[0].text for c in chunks if c.choices) == text
@@ -121,7 +149,9 @@ async def test_completions_text_token_ids_and_streaming(served: SimpleNamespace)
 async def test_raw_sse_framing(served: SimpleNamespace) -> None:
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "stream": True, "ignore_eos": True}
     async with httpx.AsyncClient() as http:
-        async with http.stream("POST", served.server.url + "/v1/completions", json=body, headers=AUTH) as resp:
+        async with http.stream(
+            "POST", served.server.url + "/v1/completions", json=body, headers=AUTH
+        ) as resp:
             assert resp.status_code == 200
             assert resp.headers["content-type"].startswith("text/event-stream")
             raw = (await resp.aread()).decode()
@@ -142,7 +172,9 @@ async def test_stop_sequences_and_stop_token_ids(served: SimpleNamespace) -> Non
 
     _, token_ids, _ = await direct(served.engine, PROMPT, temperature=0.0, max_tokens=16, ignore_eos=True)
     target = token_ids[3]
-    r = await served.client.completions.create(**base, extra_body={"ignore_eos": True, "stop_token_ids": [target]})
+    r = await served.client.completions.create(
+        **base, extra_body={"ignore_eos": True, "stop_token_ids": [target]}
+    )
     assert r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens == token_ids.index(target) + 1
 
@@ -165,8 +197,14 @@ async def test_seed_reproducibility_and_n(served: SimpleNamespace) -> None:
 
 async def test_n_streaming(served: SimpleNamespace) -> None:
     stream = await served.client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=5, n=2, seed=1, stream=True,
-        stream_options={"include_usage": True}, extra_body=IGNORE_EOS,
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=5,
+        n=2,
+        seed=1,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=IGNORE_EOS,
     )
     chunks = [c async for c in stream]
     for index in (0, 1):
@@ -209,16 +247,25 @@ async def test_unknown_model_404(served: SimpleNamespace) -> None:
         ({"frequency_penalty": 0.5}, ["frequency_penalty"]),
     ],
 )
-async def test_unsupported_fields_400(served: SimpleNamespace, extra: dict[str, Any], named: list[str]) -> None:
+async def test_unsupported_fields_400(
+    served: SimpleNamespace, extra: dict[str, Any], named: list[str]
+) -> None:
     with pytest.raises(openai.BadRequestError) as err:
-        await served.client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, extra_body=extra)
+        await served.client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=2, extra_body=extra
+        )
     assert err.value.code == "unsupported_field"
     assert all(name in err.value.message for name in named)
 
 
 async def test_neutral_values_of_unsupported_fields_are_accepted(served: SimpleNamespace) -> None:
     r = await served.client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=2, frequency_penalty=0, presence_penalty=0, logprobs=False,
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=2,
+        frequency_penalty=0,
+        presence_penalty=0,
+        logprobs=False,
         user="someone",
     )
     assert r.usage.completion_tokens <= 2
@@ -234,7 +281,9 @@ async def test_context_length_exceeded_400(served: SimpleNamespace) -> None:
     assert err.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError) as err:  # the prompt fits, prompt + max_tokens does not
         await served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=600)
-    assert err.value.code == "context_length_exceeded" and "maximum context length is 512" in err.value.message
+    assert (
+        err.value.code == "context_length_exceeded" and "maximum context length is 512" in err.value.message
+    )
 
 
 @pytest.mark.parametrize(
@@ -247,9 +296,16 @@ async def test_context_length_exceeded_400(served: SimpleNamespace) -> None:
         ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 0}, "max_tokens"),
         ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "temperature": -1}, "temperature"),
         ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "n": 0}, "n"),
-        ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "stream_options": {"include_usage": True}},
-         "stream_options"),
-        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": MESSAGES, "stream_options": {"include_usage": True}},
+            "stream_options",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]},
+            "messages[0].role",
+        ),
         ("/v1/completions", {"model": MODEL, "prompt": []}, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": ""}, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "top_p": 0}, "top_p"),

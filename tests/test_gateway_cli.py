@@ -6,6 +6,7 @@ import importlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import types
@@ -54,10 +55,21 @@ def _args(argv: list[str]) -> object:
         (["serve", "--host", "0.0.0.0"], "only on loopback"),
     ],
 )
-def test_bad_flags_exit_2_with_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_flags_exit_2_with_one_line(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
+
+
+def test_busy_port_fails_before_anything_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert cli.main(["gateway", "--engines", "127.0.0.1:1", "--no-auth", "--port", str(port)]) == 2
+    assert "cannot listen on 127.0.0.1:" in capsys.readouterr().err
 
 
 def test_auth_policy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -82,7 +94,10 @@ def test_serve_all_in_one_subprocess(tiny_mixtral_dir: str) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("HINTSERVE_API_KEYS", "HINTSERVE_ADMIN_KEY")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "serve", "--model", tiny_mixtral_dir, "--port", "0"],
-        stderr=subprocess.PIPE, text=True, env=env, cwd=Path(__file__).resolve().parents[1],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=Path(__file__).resolve().parents[1],
     )
     try:
         lines = []
@@ -97,7 +112,9 @@ def test_serve_all_in_one_subprocess(tiny_mixtral_dir: str) -> None:
         with httpx.Client(base_url=url, timeout=30) as http:
             name = Path(tiny_mixtral_dir).name
             assert http.get("/v1/models").json()["data"][0]["id"] == name
-            r = http.post("/v1/completions", json={"model": name, "prompt": "hi", "max_tokens": 3, "ignore_eos": True})
+            r = http.post(
+                "/v1/completions", json={"model": name, "prompt": "hi", "max_tokens": 3, "ignore_eos": True}
+            )
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
@@ -110,8 +127,11 @@ def test_serve_all_in_one_subprocess(tiny_mixtral_dir: str) -> None:
 @pytest.fixture
 async def admin_gateway(tiny_mixtral_dir: str) -> AsyncIterator[SimpleNamespace]:
     async with started_engine(tiny_mixtral_dir, max_num_seqs=8) as engine:
-        async with running_gateway([InProcessEngineClient(engine)], tiny_mixtral_dir, admin_key=ADMIN_KEY) as (
-            gateway, server,
+        async with running_gateway(
+            [InProcessEngineClient(engine)], tiny_mixtral_dir, admin_key=ADMIN_KEY
+        ) as (
+            gateway,
+            server,
         ):
             async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
                 yield SimpleNamespace(gateway=gateway, server=server, http=http)
@@ -121,10 +141,14 @@ def _admin(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-async def test_replay_endpoint_auth_and_validation(admin_gateway: SimpleNamespace, tiny_mixtral_dir: str) -> None:
+async def test_replay_endpoint_auth_and_validation(
+    admin_gateway: SimpleNamespace, tiny_mixtral_dir: str
+) -> None:
     http = admin_gateway.http
     assert (await http.post("/v1/admin/replay", json={"trace": "conv"})).status_code == 401
-    assert (await http.post("/v1/admin/replay", json={"trace": "conv"}, headers=_admin(API_KEY))).status_code == 401
+    assert (
+        await http.post("/v1/admin/replay", json={"trace": "conv"}, headers=_admin(API_KEY))
+    ).status_code == 401
     pytest.importorskip("loadgen.replay")
     for body, param in [
         ({"trace": "conv", "bogus": 1}, "bogus"),

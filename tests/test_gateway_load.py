@@ -40,8 +40,12 @@ REQUEST_HISTOGRAMS = (
 
 async def _stream_chat(client: openai.AsyncOpenAI, max_tokens: int) -> tuple[str, Any]:
     stream = await client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=max_tokens, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=max_tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
     )
     chunks = [c async for c in stream]
     return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].usage
@@ -53,10 +57,14 @@ async def test_64_concurrent_streams_then_429_and_metrics(tiny_mixtral_dir: str)
     The backend holds requests at a gate until all 65 have been answered or queued, so "full" is a state
     the test sets up rather than a race against requests finishing.
     """
-    prompt_len = len(cached_tokenizer(tiny_mixtral_dir).encode(
-        cached_tokenizer(tiny_mixtral_dir).apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False),
-        add_special_tokens=False,
-    ))
+    prompt_len = len(
+        cached_tokenizer(tiny_mixtral_dir).encode(
+            cached_tokenizer(tiny_mixtral_dir).apply_chat_template(
+                MESSAGES, add_generation_prompt=True, tokenize=False
+            ),
+            add_special_tokens=False,
+        )
+    )
     async with started_engine(tiny_mixtral_dir, max_num_seqs=64) as engine:
         backend = GatedEngineClient(engine)
         async with running_gateway(
@@ -65,8 +73,10 @@ async def test_64_concurrent_streams_then_429_and_metrics(tiny_mixtral_dir: str)
             client = openai_client(server)
             before = await scrape(server)
             streams = [asyncio.create_task(_stream_chat(client, 4)) for _ in range(64)]
-            await wait_for(lambda: gateway.pool.total_outstanding == 16 and gateway.admission.num_waiting == 48,
-                           what="16 running + 48 queued")
+            await wait_for(
+                lambda: gateway.pool.total_outstanding == 16 and gateway.admission.num_waiting == 48,
+                what="16 running + 48 queued",
+            )
             with pytest.raises(openai.RateLimitError) as err:
                 await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
             assert err.value.status_code == 429 and err.value.code == "rate_limit_exceeded"
@@ -83,29 +93,41 @@ async def test_64_concurrent_streams_then_429_and_metrics(tiny_mixtral_dir: str)
             for text, usage in results:
                 assert text  # streamed content arrived
                 assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
-                    prompt_len, 4, prompt_len + 4)
+                    prompt_len,
+                    4,
+                    prompt_len + 4,
+                )
             await wait_for(lambda: gateway.pool.total_outstanding == 0, what="all slots released")
 
             after = await scrape(server)
             await client.close()
     for name in REQUEST_HISTOGRAMS:  # every histogram exists and moved
-        assert sample_sum(after, name + "_count", model_name=MODEL) > max(0.0, sample_sum(before, name + "_count"))
+        assert sample_sum(after, name + "_count", model_name=MODEL) > max(
+            0.0, sample_sum(before, name + "_count")
+        )
         assert sample_sum(after, name + "_sum", model_name=MODEL) > 0
     assert sample_sum(after, "hintserve_time_to_first_token_seconds_count", model_name=MODEL) == 64
     assert sample_sum(after, "hintserve_inter_token_latency_seconds_count", model_name=MODEL) == 64 * 3
     assert sample_sum(after, "hintserve_prompt_tokens_total", model_name=MODEL) == 64 * prompt_len
     assert sample_sum(after, "hintserve_generation_tokens_total", model_name=MODEL) == 64 * 4
-    assert sample_sum(after, "hintserve_request_success_total", model_name=MODEL, finished_reason="length") == 64
+    assert (
+        sample_sum(after, "hintserve_request_success_total", model_name=MODEL, finished_reason="length") == 64
+    )
     assert sample_sum(after, "hintserve_num_requests_running", model_name=MODEL) == 0
     assert sample_sum(after, "hintserve_num_requests_waiting", model_name=MODEL) == 0
     ok = sample_sum(after, "hintserve_http_requests_total", handler="/v1/chat/completions", status="200")
     assert ok == 64
-    assert sample_sum(after, "hintserve_http_requests_total", handler="/v1/chat/completions", status="429") == 1
+    assert (
+        sample_sum(after, "hintserve_http_requests_total", handler="/v1/chat/completions", status="429") == 1
+    )
     # Engine stats exported as series, labelled by engine, moving with the traffic.
     engine_label = {"engine": "in-process"}
     assert sample_sum(after, "hintserve_engine_kv_blocks_used", **engine_label) == 0
-    generated = [v for (n, ls), v in after.items()
-                 if n.startswith("hintserve_engine_generation_tokens") and ("engine", "in-process") in ls]
+    generated = [
+        v
+        for (n, ls), v in after.items()
+        if n.startswith("hintserve_engine_generation_tokens") and ("engine", "in-process") in ls
+    ]
     assert generated and generated[0] >= 64 * 4
     assert sample_sum(after, "hintserve_gateway_engine_healthy", **engine_label) == 1
 
@@ -116,12 +138,16 @@ async def test_client_disconnect_aborts_engine_request(tiny_mixtral_dir: str) ->
             long = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 400, "ignore_eos": True}
             # Streaming: read one chunk, hang up.
             async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
-                async with http.stream("POST", "/v1/completions", json={**long, "stream": True}, headers=AUTH) as r:
+                async with http.stream(
+                    "POST", "/v1/completions", json={**long, "stream": True}, headers=AUTH
+                ) as r:
                     async for line in r.aiter_lines():
                         if line.startswith("data: "):
                             break
-            await wait_for(lambda: engine.stats()["kv_blocks_used"] == 0 and aborted(engine) == 1,
-                           what="streamed request aborted and its KV blocks freed")
+            await wait_for(
+                lambda: engine.stats()["kv_blocks_used"] == 0 and aborted(engine) == 1,
+                what="streamed request aborted and its KV blocks freed",
+            )
 
             # Non-streaming: the client gives up while the engine is generating.
             async def post() -> None:
@@ -132,8 +158,10 @@ async def test_client_disconnect_aborts_engine_request(tiny_mixtral_dir: str) ->
             await wait_for(lambda: engine.stats()["kv_blocks_used"] > 0, what="request running in the engine")
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            await wait_for(lambda: engine.stats()["kv_blocks_used"] == 0 and aborted(engine) == 2,
-                           what="non-streamed request aborted and its KV blocks freed")
+            await wait_for(
+                lambda: engine.stats()["kv_blocks_used"] == 0 and aborted(engine) == 2,
+                what="non-streamed request aborted and its KV blocks freed",
+            )
             assert stat(engine.stats(), "requests_finished", reason="length") == 0
             await wait_for(lambda: gateway.pool.total_outstanding == 0, what="gateway slot released")
             samples = await scrape(server)
@@ -148,11 +176,17 @@ async def test_batch_window_submits_together(tiny_mixtral_dir: str) -> None:
         ) as (gateway, server):
             client = openai_client(server)
             steps_before = stat(engine.stats(), "prefill_steps")
-            results = await asyncio.gather(*[
-                client.completions.create(model=MODEL, prompt=f"request number {i}", max_tokens=2,
-                                          extra_body={"ignore_eos": True})
-                for i in range(4)
-            ])
+            results = await asyncio.gather(
+                *[
+                    client.completions.create(
+                        model=MODEL,
+                        prompt=f"request number {i}",
+                        max_tokens=2,
+                        extra_body={"ignore_eos": True},
+                    )
+                    for i in range(4)
+                ]
+            )
             assert all(r.usage.completion_tokens == 2 for r in results)
             assert gateway.batcher.batches_flushed == 1 and gateway.batcher.requests_batched == 4
             assert stat(engine.stats(), "prefill_steps") - steps_before == 1

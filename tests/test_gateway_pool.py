@@ -28,13 +28,16 @@ PROMPT = "The quick brown fox"
 
 @pytest.fixture
 async def two_engines(tiny_mixtral_dir: str) -> AsyncIterator[list[SimpleNamespace]]:
-    async with started_engine(tiny_mixtral_dir, max_num_seqs=8) as e1, started_engine(
-        tiny_mixtral_dir, max_num_seqs=8
-    ) as e2:
+    async with (
+        started_engine(tiny_mixtral_dir, max_num_seqs=8) as e1,
+        started_engine(tiny_mixtral_dir, max_num_seqs=8) as e2,
+    ):
         engines = []
         for engine in (e1, e2):
             server, port = await serve_engine(engine, "127.0.0.1", 0)
-            engines.append(SimpleNamespace(engine=engine, server=server, port=port, address=f"127.0.0.1:{port}"))
+            engines.append(
+                SimpleNamespace(engine=engine, server=server, port=port, address=f"127.0.0.1:{port}")
+            )
         yield engines
         for e in engines:
             await stop_server(e.server, grace=0.5)
@@ -50,7 +53,9 @@ async def _complete(client: openai.AsyncOpenAI, max_tokens: int = 4) -> openai.t
     )
 
 
-async def test_least_outstanding_routing_spreads_load(two_engines: list[SimpleNamespace], tiny_mixtral_dir: str):
+async def test_least_outstanding_routing_spreads_load(
+    two_engines: list[SimpleNamespace], tiny_mixtral_dir: str
+):
     clients = [EngineClient(e.address) for e in two_engines]
     async with running_gateway(clients, tiny_mixtral_dir) as (gateway, server):
         assert all(h.healthy for h in gateway.pool.engines)
@@ -69,7 +74,8 @@ async def test_least_outstanding_routing_spreads_load(two_engines: list[SimpleNa
 async def test_failover_then_503_then_recovery(two_engines: list[SimpleNamespace], tiny_mixtral_dir: str):
     a, b = two_engines
     async with running_gateway([EngineClient(a.address), EngineClient(b.address)], tiny_mixtral_dir) as (
-        gateway, server,
+        gateway,
+        server,
     ):
         client = openai_client(server)
         handle_a, handle_b = gateway.pool.engines
@@ -112,7 +118,8 @@ async def test_engine_validation_errors_over_grpc(two_engines: list[SimpleNamesp
     """Without a tokenizer in the gateway the engine checks the context window; its INVALID_ARGUMENT maps to
     the same 400 context_length_exceeded, and chat explains that it needs the tokenizer."""
     async with running_gateway([EngineClient(two_engines[0].address)], tiny_mixtral_dir, tokenizer=None) as (
-        gateway, server,
+        gateway,
+        server,
     ):
         client = openai_client(server)
         with pytest.raises(openai.BadRequestError) as err:
@@ -124,6 +131,8 @@ async def test_engine_validation_errors_over_grpc(two_engines: list[SimpleNamesp
         with pytest.raises(openai.BadRequestError) as err:
             await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
         assert "--tokenizer" in err.value.message
-        r = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, extra_body={"ignore_eos": True})
+        r = await client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=3, extra_body={"ignore_eos": True}
+        )
         assert r.usage.completion_tokens == 3
         await client.close()

@@ -111,7 +111,9 @@ async def scrape(server: HTTPServer) -> dict[tuple[str, tuple[tuple[str, str], .
     return samples
 
 
-def sample_sum(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
+def sample_sum(
+    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str
+) -> float:
     """Sum of the samples named `name` whose labels include `labels` (-1 if there is none)."""
     values = [v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls)]
     return sum(values) if values else -1.0

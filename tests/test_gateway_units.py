@@ -50,12 +50,15 @@ async def _pool(*backends: FakeBackend, slots: int = 2, interval: float = 60.0) 
     [
         ("kv_blocks_used", ("kv_blocks_used", {})),
         ('expert_hits_total{layer="3"}', ("expert_hits_total", {"layer": "3"})),
-        ('bytes_moved_total{kind="h2d", link="pcie"}', ("bytes_moved_total", {"kind": "h2d", "link": "pcie"})),
+        (
+            'bytes_moved_total{kind="h2d", link="pcie"}',
+            ("bytes_moved_total", {"kind": "h2d", "link": "pcie"}),
+        ),
         ('x{a="q\\"uote",b="back\\\\slash"}', ("x", {"a": 'q"uote', "b": "back\\slash"})),
         ("x{}", ("x", {})),
         ("9lives", None),
         ("bad-name", None),
-        ('x{layer=3}', None),
+        ("x{layer=3}", None),
         ('x{layer="3"', None),
     ],
 )
@@ -80,11 +83,15 @@ async def test_engine_stats_become_series_of_the_right_type() -> None:
     families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
     assert families["hintserve_engine_kv_blocks_used"].type == "gauge"
     assert {(s.labels["engine"], s.value) for s in families["hintserve_engine_kv_blocks_used"].samples} == {
-        ("e1:1", 3.0), ("e2:2", 1.0)}
+        ("e1:1", 3.0),
+        ("e2:2", 1.0),
+    }
     hits = families["hintserve_engine_expert_hits"]
     assert hits.type == "counter"
     assert {(s.name, s.labels["layer"], s.value) for s in hits.samples} == {
-        ("hintserve_engine_expert_hits_total", "0", 10.0), ("hintserve_engine_expert_hits_total", "1", 7.0)}
+        ("hintserve_engine_expert_hits_total", "0", 10.0),
+        ("hintserve_engine_expert_hits_total", "1", 7.0),
+    }
     assert families["hintserve_engine_expert_queries"].type == "counter"
     assert families["hintserve_engine_cache_occupancy"].samples[0].value == 0.5
     assert families["hintserve_engine_clash"].type == "gauge"  # the first spelling wins; the other is dropped
@@ -165,11 +172,20 @@ def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 @pytest.mark.parametrize(
     ("exc", "status", "code", "retriable"),
     [
-        (ContextLengthExceededError("This model's maximum context length is 8"), 400, "context_length_exceeded", False),
+        (
+            ContextLengthExceededError("This model's maximum context length is 8"),
+            400,
+            "context_length_exceeded",
+            False,
+        ),
         (InvalidRequestError("top_p must be in (0, 1]"), 400, None, False),
         (EngineDeadError("loop stopped"), 503, "engine_unavailable", True),
-        (_rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "This model's maximum context length is 8 tokens"), 400,
-         "context_length_exceeded", False),
+        (
+            _rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "This model's maximum context length is 8 tokens"),
+            400,
+            "context_length_exceeded",
+            False,
+        ),
         (_rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "prompt must not be empty"), 400, None, False),
         (_rpc_error(grpc.StatusCode.UNAVAILABLE, "failed to connect"), 503, "engine_unavailable", True),
         (_rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy"), 429, "rate_limit_exceeded", False),
@@ -177,7 +193,9 @@ def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
         (RuntimeError("bug"), 500, "internal_error", False),
     ],
 )
-def test_engine_errors_map_to_http(exc: BaseException, status: int, code: str | None, retriable: bool) -> None:
+def test_engine_errors_map_to_http(
+    exc: BaseException, status: int, code: str | None, retriable: bool
+) -> None:
     error = from_engine_error(exc, "prompt")
     assert (error.status, error.code, error.retriable) == (status, code, retriable)
     assert set(error.body()["error"]) == {"message", "type", "param", "code"}

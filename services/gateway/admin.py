@@ -41,13 +41,16 @@ def load_replay_module() -> Any:
     return module
 
 
-def build_replay_config(module: Any, body: Any, url: str, model: str | None, api_key: str | None,
-                        tokenizer: str | None) -> Any:
+def build_replay_config(
+    module: Any, body: Any, url: str, model: str | None, api_key: str | None, tokenizer: str | None
+) -> Any:
     """A validated `ReplayConfig` from the request body; 400 naming the field on anything wrong."""
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object of replay settings")
     if model is None:
-        raise APIError(503, "the served model is not known yet (no engine answered)", code="no_healthy_engine")
+        raise APIError(
+            503, "the served model is not known yet (no engine answered)", code="no_healthy_engine"
+        )
     fields = {f.name for f in dataclasses.fields(module.ReplayConfig)}
     unknown = sorted(set(body) - fields)
     if unknown:

@@ -36,7 +36,7 @@ class AdmissionController:
         return sum(1 for w in self._waiters if not w.future.done())
 
     async def acquire(self, exclude: Iterable[EngineHandle] = ()) -> EngineHandle:
-        """A slot on an engine not in `exclude`; waits in the queue if all are busy. Raises APIError 429/503."""
+        """A slot on an engine not in `exclude`, queueing while all are busy; APIError 429/503 otherwise."""
         excluded = frozenset(exclude)
         if not self.pool.can_serve(excluded):
             raise no_healthy_engine()

@@ -82,7 +82,9 @@ def to_response(result: Any) -> Response:
     if isinstance(result, dict):
         return JSONResponse(result)
     return StreamingResponse(
-        result, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        result,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
 
 
@@ -97,7 +99,10 @@ def build_app(gateway: Gateway) -> FastAPI:
 
     app = FastAPI(title="HintServe gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(
-        GatewayMiddleware, auth=gateway.auth, metrics=gateway.metrics, max_body_bytes=gateway.config.max_body_bytes
+        GatewayMiddleware,
+        auth=gateway.auth,
+        metrics=gateway.metrics,
+        max_body_bytes=gateway.config.max_body_bytes,
     )
 
     @app.exception_handler(APIError)
@@ -117,23 +122,33 @@ def build_app(gateway: Gateway) -> FastAPI:
     async def chat_completions(raw: Request) -> Response:
         arrival = time.monotonic()
         request = parse_request(await raw.body(), ChatCompletionRequest)
-        return to_response(await until_disconnected(raw, gateway.chat.create_chat_completion(request, arrival)))
+        return to_response(
+            await until_disconnected(raw, gateway.chat.create_chat_completion(request, arrival))
+        )
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
         arrival = time.monotonic()
         request = parse_request(await raw.body(), CompletionRequest)
-        return to_response(await until_disconnected(raw, gateway.completion.create_completion(request, arrival)))
+        return to_response(
+            await until_disconnected(raw, gateway.completion.create_completion(request, arrival))
+        )
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
         name = gateway.served_model_name
         data = []
         if name is not None:
-            data.append({
-                "id": name, "object": "model", "created": gateway.created, "owned_by": "hintserve", "root": name,
-                "max_model_len": gateway.pool.max_model_len(),
-            })
+            data.append(
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": gateway.created,
+                    "owned_by": "hintserve",
+                    "root": name,
+                    "max_model_len": gateway.pool.max_model_len(),
+                }
+            )
         return JSONResponse({"object": "list", "data": data})
 
     @app.get("/health")
@@ -147,7 +162,9 @@ def build_app(gateway: Gateway) -> FastAPI:
             for h in gateway.pool.engines
         ]
         ok = any(h.healthy and h.model_info is not None for h in gateway.pool.engines)
-        return JSONResponse({"status": "ready" if ok else "not ready", "engines": engines}, 200 if ok else 503)
+        return JSONResponse(
+            {"status": "ready" if ok else "not ready", "engines": engines}, 200 if ok else 503
+        )
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -162,7 +179,11 @@ def build_app(gateway: Gateway) -> FastAPI:
         host, port = raw.scope.get("server") or (gateway.config.host, gateway.config.port)
         host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else (f"[{host}]" if ":" in host else host)
         config = build_replay_config(
-            module, body, f"http://{host}:{port}/v1", gateway.served_model_name, gateway.auth.any_key,
+            module,
+            body,
+            f"http://{host}:{port}/v1",
+            gateway.served_model_name,
+            gateway.auth.any_key,
             gateway.config.tokenizer,
         )
         return to_response(await until_disconnected(raw, gateway.replay.run(module, config)))

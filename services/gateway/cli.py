@@ -25,17 +25,36 @@ from services.gateway.config import GatewayConfig, parse_engine_addresses
 DEFAULT_MODEL_DIR = "models/demo-moe"
 
 
+_GATEWAY_AUTH = (
+    f"Authentication: API keys from {API_KEYS_ENV} (comma-separated) and/or --api-key-file are required; "
+    "--no-auth turns authentication off explicitly."
+)
+_SERVE_AUTH = (
+    f"Authentication: with API keys configured ({API_KEYS_ENV} and/or --api-key-file) they are required. With "
+    "none configured, serve runs WITHOUT authentication only when --host is a loopback address (the default "
+    "127.0.0.1), and says so at startup; on any other address it refuses to start unless --no-auth is given."
+)
+
+
 def register(subparsers: Any) -> None:
-    gateway = subparsers.add_parser("gateway", help="serve the OpenAI API in front of engines (gRPC)")
+    gateway = subparsers.add_parser(
+        "gateway", help="serve the OpenAI API in front of engines (gRPC)", description=_GATEWAY_AUTH
+    )
     gateway.add_argument("--engines", required=True, help="engine gRPC addresses: host:port,host:port,...")
     gateway.add_argument(
-        "--tokenizer", default=None, help="model directory whose tokenizer gives the chat template (needed for chat)"
+        "--tokenizer",
+        default=None,
+        help="model directory whose tokenizer gives the chat template (needed for chat)",
     )
     _add_gateway_args(gateway)
     gateway.set_defaults(func=run_gateway)
 
-    serve = subparsers.add_parser("serve", help="gateway + in-process engine in one process (OpenAI API on :8000)")
-    serve.add_argument("--model", default=DEFAULT_MODEL_DIR, help=f"model directory (default {DEFAULT_MODEL_DIR})")
+    serve = subparsers.add_parser(
+        "serve", help="gateway + in-process engine in one process (OpenAI API on :8000)", description=_SERVE_AUTH
+    )
+    serve.add_argument(
+        "--model", default=DEFAULT_MODEL_DIR, help=f"model directory (default {DEFAULT_MODEL_DIR})"
+    )
     serve.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=None)
     serve.add_argument("--device", default=None, help="cpu or cuda[:N]")
     serve.add_argument("--max-num-seqs", type=int, default=None)
@@ -49,15 +68,25 @@ def _add_gateway_args(parser: argparse.ArgumentParser) -> None:
     d = GatewayConfig()
     parser.add_argument("--host", default=d.host)
     parser.add_argument("--port", type=int, default=d.port, help="0 picks a free port")
-    parser.add_argument("--model-name", default=None, help="served model name (default: the model directory's name)")
-    parser.add_argument("--api-key-file", default=None, help=f"API keys, one per line (also: env {API_KEYS_ENV})")
+    parser.add_argument(
+        "--model-name", default=None, help="served model name (default: the model directory's name)"
+    )
+    parser.add_argument(
+        "--api-key-file", default=None, help=f"API keys, one per line (also: env {API_KEYS_ENV})"
+    )
     parser.add_argument("--no-auth", action="store_true", help="serve without API keys (explicit opt-out)")
-    parser.add_argument("--max-queue", type=int, default=d.max_queue, help="admission queue bound; beyond: 429")
+    parser.add_argument(
+        "--max-queue", type=int, default=d.max_queue, help="admission queue bound; beyond: 429"
+    )
     parser.add_argument("--max-concurrency-per-engine", type=int, default=d.max_concurrency_per_engine)
-    parser.add_argument("--batch-window-ms", type=float, default=d.batch_window_ms, help="0 disables batching")
+    parser.add_argument(
+        "--batch-window-ms", type=float, default=d.batch_window_ms, help="0 disables batching"
+    )
     parser.add_argument("--max-batch", type=int, default=d.max_batch)
     parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="larger bodies: 413")
-    parser.add_argument("--max-n", type=int, default=d.max_n, help="largest n (choices x prompts) per request")
+    parser.add_argument(
+        "--max-n", type=int, default=d.max_n, help="largest n (choices x prompts) per request"
+    )
     parser.add_argument("--health-interval-s", type=float, default=d.health_interval_s)
 
 
@@ -84,16 +113,30 @@ def resolve_auth(args: argparse.Namespace, loopback_default_off: bool) -> tuple[
             f"authentication is OFF: no API keys configured and listening on loopback only ({args.host}); "
             f"set {API_KEYS_ENV} or --api-key-file to require keys"
         )
-    where = "" if not loopback_default_off else f" (serve runs without keys only on loopback, not {args.host})"
-    raise ValueError(f"no API keys configured: set {API_KEYS_ENV} or --api-key-file, or pass --no-auth{where}")
+    where = (
+        "" if not loopback_default_off else f" (serve runs without keys only on loopback, not {args.host})"
+    )
+    raise ValueError(
+        f"no API keys configured: set {API_KEYS_ENV} or --api-key-file, or pass --no-auth{where}"
+    )
 
 
-def gateway_config(args: argparse.Namespace, api_keys: list[str] | None, tokenizer: str | None) -> GatewayConfig:
+def gateway_config(
+    args: argparse.Namespace, api_keys: list[str] | None, tokenizer: str | None
+) -> GatewayConfig:
     config = GatewayConfig(
-        host=args.host, port=args.port, model_name=args.model_name, tokenizer=tokenizer, api_keys=api_keys,
-        admin_key=os.environ.get(ADMIN_KEY_ENV) or None, max_queue=args.max_queue,
-        max_concurrency_per_engine=args.max_concurrency_per_engine, batch_window_ms=args.batch_window_ms,
-        max_batch=args.max_batch, max_body_bytes=args.max_body_bytes, max_n=args.max_n,
+        host=args.host,
+        port=args.port,
+        model_name=args.model_name,
+        tokenizer=tokenizer,
+        api_keys=api_keys,
+        admin_key=os.environ.get(ADMIN_KEY_ENV) or None,
+        max_queue=args.max_queue,
+        max_concurrency_per_engine=args.max_concurrency_per_engine,
+        batch_window_ms=args.batch_window_ms,
+        max_batch=args.max_batch,
+        max_body_bytes=args.max_body_bytes,
+        max_n=args.max_n,
         health_interval_s=args.health_interval_s,
     )
     config.validate()
@@ -123,17 +166,20 @@ def run_gateway(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"--tokenizer directory not found: {args.tokenizer}")
     api_keys, auth_line = resolve_auth(args, loopback_default_off=False)
     config = gateway_config(args, api_keys, args.tokenizer)
+    from services.gateway.server import bind_socket
+
+    sock = bind_socket(config.host, config.port)
     _setup_logging()
-    asyncio.run(_run_gateway(config, addresses, auth_line))
+    asyncio.run(_run_gateway(config, addresses, auth_line, sock))
     return 0
 
 
-async def _run_gateway(config: GatewayConfig, addresses: list[str], auth_line: str) -> None:
+async def _run_gateway(config: GatewayConfig, addresses: list[str], auth_line: str, sock: Any) -> None:
     from services.engine.grpc_server import EngineClient
     from services.gateway.server import Gateway, HTTPServer
 
     gateway = Gateway(config, [EngineClient(a) for a in addresses])
-    server = HTTPServer(gateway.app, config.host, config.port)
+    server = HTTPServer(gateway.app, config.host, sock=sock)
     _stop_on_signals(server)
     await server.start()
     healthy = len(gateway.pool.healthy_engines)
@@ -143,6 +189,7 @@ async def _run_gateway(config: GatewayConfig, addresses: list[str], auth_line: s
         f"{server.url}/v1 ({healthy}/{len(addresses)} engines healthy)"
     )
     await server.serve_forever()
+    _say("gateway stopped")
 
 
 # --- hintserve serve ------------------------------------------------------------------------------
@@ -154,8 +201,11 @@ def run_serve(args: argparse.Namespace) -> int:
     api_keys, auth_line = resolve_auth(args, loopback_default_off=True)  # before loading the model
     config = gateway_config(args, api_keys, args.model)
     engine_cfg = engine_config(args)  # FileNotFoundError / ValueError with one line
+    from services.gateway.server import bind_socket
+
+    sock = bind_socket(config.host, config.port)  # a busy port fails before the model loads
     _setup_logging()
-    asyncio.run(_run_serve(config, engine_cfg, auth_line))
+    asyncio.run(_run_serve(config, engine_cfg, auth_line, sock))
     return 0
 
 
@@ -169,7 +219,7 @@ def start_predictor(engine: Any) -> Any:
     return None
 
 
-async def _run_serve(config: GatewayConfig, engine_cfg: Any, auth_line: str) -> None:
+async def _run_serve(config: GatewayConfig, engine_cfg: Any, auth_line: str, sock: Any) -> None:
     from services.engine.async_engine import AsyncLLMEngine
     from services.gateway.engine_client import InProcessEngineClient
     from services.gateway.server import Gateway, HTTPServer
@@ -179,12 +229,13 @@ async def _run_serve(config: GatewayConfig, engine_cfg: Any, auth_line: str) -> 
     predictor = start_predictor(engine)
     try:
         gateway = Gateway(config, [InProcessEngineClient(engine)])
-        server = HTTPServer(gateway.app, config.host, config.port)
+        server = HTTPServer(gateway.app, config.host, sock=sock)
         _stop_on_signals(server)
         await server.start()
         _say(auth_line)
         _say(f"serving {gateway.served_model_name} with the OpenAI API at {server.url}/v1 (Ctrl-C to stop)")
         await server.serve_forever()
+        _say("shutting down")
     finally:
         if predictor is not None:
             await predictor.stop()

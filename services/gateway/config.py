@@ -29,7 +29,9 @@ class GatewayConfig:
         if self.max_queue < 0:
             raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
         if self.max_concurrency_per_engine < 1:
-            raise ValueError(f"--max-concurrency-per-engine must be >= 1, got {self.max_concurrency_per_engine}")
+            raise ValueError(
+                f"--max-concurrency-per-engine must be >= 1, got {self.max_concurrency_per_engine}"
+            )
         if not 0 <= self.batch_window_ms <= 1000:
             raise ValueError(f"--batch-window-ms must be in [0, 1000], got {self.batch_window_ms}")
         if self.max_batch < 1:

@@ -25,7 +25,9 @@ IN_PROCESS_ADDRESS = "in-process"
 class EngineBackend(Protocol):
     address: str
 
-    def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> AsyncIterator[Any]:
+    def generate(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> AsyncIterator[Any]:
         """Streams deltas; closing the iterator early aborts the request and frees its KV blocks."""
         ...
 

@@ -90,12 +90,16 @@ class EngineStatsCollector(Collector):
                 family.add_sample(sample, {**labels, "engine": handle.address}, float(value))
         yield from families.values()
 
-        healthy = Metric("hintserve_gateway_engine_healthy", "1 if the gateway routes to this engine", "gauge")
+        healthy = Metric(
+            "hintserve_gateway_engine_healthy", "1 if the gateway routes to this engine", "gauge"
+        )
         outstanding = Metric(
             "hintserve_gateway_engine_outstanding_requests", "Requests holding a slot on this engine", "gauge"
         )
         failovers = Metric(
-            "hintserve_gateway_engine_failovers", "Requests moved to another engine after this one failed", "counter"
+            "hintserve_gateway_engine_failovers",
+            "Requests moved to another engine after this one failed",
+            "counter",
         )
         for handle in self.pool.engines:
             labels = {"engine": handle.address}

@@ -103,7 +103,9 @@ def _from_rpc_error(exc: grpc.aio.AioRpcError, prompt_param: str | None) -> APIE
             return context_length_exceeded(details, prompt_param)
         return bad_request(details)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return APIError(429, f"engine overloaded: {details}", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+        return APIError(
+            429, f"engine overloaded: {details}", code="rate_limit_exceeded", headers={"Retry-After": "1"}
+        )
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
         # Connection refused or reset, engine shutting down: the engine, not the request, is at fault.
         return APIError(503, f"engine unavailable: {details}", code="engine_unavailable", retriable=True)

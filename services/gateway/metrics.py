@@ -10,16 +10,78 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # vLLM's buckets, extended downwards: a small model on a fast link answers in a few milliseconds.
 _TTFT_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-    80.0, 160.0, 640.0, 2560.0,
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
 )
 _ITL_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-    10.0, 20.0, 40.0, 80.0,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
 )
 _REQUEST_BUCKETS = (
-    0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-    240.0, 480.0, 960.0, 1920.0, 7680.0,
+    0.01,
+    0.05,
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
 )
 _QUEUE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05) + _REQUEST_BUCKETS[2:]
 
@@ -51,35 +113,49 @@ class GatewayMetrics:
         self.time_to_first_token = Histogram(
             "hintserve_time_to_first_token_seconds",
             "Time from the request's arrival at the gateway to its first generated token.",
-            model, buckets=_TTFT_BUCKETS, registry=r,
+            model,
+            buckets=_TTFT_BUCKETS,
+            registry=r,
         )
         self.inter_token_latency = Histogram(
             "hintserve_inter_token_latency_seconds",
             "Time between consecutive streamed outputs of a request.",
-            model, buckets=_ITL_BUCKETS, registry=r,
+            model,
+            buckets=_ITL_BUCKETS,
+            registry=r,
         )
         self.time_per_output_token = Histogram(
             "hintserve_request_time_per_output_token_seconds",
             "Per request: decode time (first to last token) divided by output tokens after the first.",
-            model, buckets=_ITL_BUCKETS, registry=r,
+            model,
+            buckets=_ITL_BUCKETS,
+            registry=r,
         )
         self.e2e_request_latency = Histogram(
             "hintserve_e2e_request_latency_seconds",
             "Time from arrival at the gateway to the request's last token.",
-            model, buckets=_REQUEST_BUCKETS, registry=r,
+            model,
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
         )
         self.request_queue_time = Histogram(
             "hintserve_request_queue_time_seconds",
             "Time from arrival to submission to an engine (admission queue and batch window).",
-            model, buckets=_QUEUE_BUCKETS, registry=r,
+            model,
+            buckets=_QUEUE_BUCKETS,
+            registry=r,
         )
         self.num_requests_running = Gauge(
-            "hintserve_num_requests_running", "Requests submitted to an engine and not finished.",
-            model, registry=r,
+            "hintserve_num_requests_running",
+            "Requests submitted to an engine and not finished.",
+            model,
+            registry=r,
         )
         self.num_requests_waiting = Gauge(
-            "hintserve_num_requests_waiting", "Requests waiting in the gateway (admission queue, batch window).",
-            model, registry=r,
+            "hintserve_num_requests_waiting",
+            "Requests waiting in the gateway (admission queue, batch window).",
+            model,
+            registry=r,
         )
         self.prompt_tokens = Counter(
             "hintserve_prompt_tokens", "Prompt tokens of requests an engine processed.", model, registry=r
@@ -90,11 +166,14 @@ class GatewayMetrics:
         self.request_success = Counter(
             "hintserve_request_success",
             "Finished engine requests by finish reason (stop, length, abort).",
-            ["model_name", "finished_reason"], registry=r,
+            ["model_name", "finished_reason"],
+            registry=r,
         )
         self.http_requests = Counter(
-            "hintserve_http_requests", "HTTP requests by handler, method and status code.",
-            ["handler", "method", "status"], registry=r,
+            "hintserve_http_requests",
+            "HTTP requests by handler, method and status code.",
+            ["handler", "method", "status"],
+            registry=r,
         )
         self._models: dict[str, ModelMetrics] = {}
 

@@ -13,7 +13,13 @@ from services.gateway.errors import APIError
 from services.gateway.metrics import GatewayMetrics
 
 ROUTES = (
-    "/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/admin/replay", "/health", "/ready", "/metrics",
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/models",
+    "/v1/admin/replay",
+    "/health",
+    "/ready",
+    "/metrics",
 )
 _KNOWN = frozenset(ROUTES)
 

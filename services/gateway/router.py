@@ -18,8 +18,10 @@ def _engine_aborted() -> APIError:
     # The engine ended the request itself (shutdown, admin abort): the text so far is not a full answer, so
     # the client gets an error rather than a finish_reason that would pass truncated text off as complete.
     return APIError(
-        503, "the engine aborted the request before it finished (engine shutting down?)",
-        code="engine_aborted", retriable=True,
+        503,
+        "the engine aborted the request before it finished (engine shutting down?)",
+        code="engine_aborted",
+        retriable=True,
     )
 
 
@@ -35,7 +37,11 @@ async def _close(stream: AsyncIterator[Any] | None) -> None:
 
 class EngineRouter:
     def __init__(
-        self, pool: EnginePool, admission: AdmissionController, batcher: RequestBatcher, metrics: GatewayMetrics
+        self,
+        pool: EnginePool,
+        admission: AdmissionController,
+        batcher: RequestBatcher,
+        metrics: GatewayMetrics,
     ) -> None:
         self.pool = pool
         self.admission = admission
@@ -43,7 +49,11 @@ class EngineRouter:
         self.metrics = metrics
 
     async def _open(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, prompt_param: str | None,
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        prompt_param: str | None,
         m: ModelMetrics,
     ) -> tuple[EngineHandle, AsyncIterator[Any], Any, float]:
         """Submits to an engine and waits for its first output, failing over while none has come.

@@ -1,4 +1,4 @@
-"""The gateway assembled: engine pool, admission, batching, router, serving, metrics, app; and its HTTP server."""
+"""The gateway assembled (pool, admission, batching, router, serving, metrics, app) and its HTTP server."""
 
 from __future__ import annotations
 
@@ -40,7 +40,9 @@ def load_tokenizer(model_dir: str) -> Any:
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig, clients: Sequence[EngineBackend], tokenizer: Any | None = None) -> None:
+    def __init__(
+        self, config: GatewayConfig, clients: Sequence[EngineBackend], tokenizer: Any | None = None
+    ) -> None:
         config.validate()
         self.config = config
         if tokenizer is None and config.tokenizer:
@@ -72,7 +74,9 @@ class Gateway:
         await self.pool.start()
         names = {h.model_info.get("model") for h in self.pool.engines if h.model_info}
         if len(names) > 1:
-            log.warning("engines report different models %s; serving them all as %r", names, self.served_model_name)
+            log.warning(
+                "engines report different models %s; serving them all as %r", names, self.served_model_name
+            )
         if not self.pool.any_healthy:
             log.warning("no engine is healthy yet; requests get 503 until one is")
 
@@ -80,22 +84,34 @@ class Gateway:
         await self.pool.stop()
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound now: the CLI does this before loading a model, so a busy port fails fast."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+    return sock
+
+
 class HTTPServer:
     """uvicorn on an already bound socket, as a task of the running loop (the CLI, tests, the benchmark)."""
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0) -> None:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.sock = socket.socket(family, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self.sock.bind((host, port))
-        except OSError as exc:
-            self.sock.close()
-            raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+    def __init__(
+        self, app: Any, host: str = "127.0.0.1", port: int = 0, sock: socket.socket | None = None
+    ) -> None:
+        self.sock = sock if sock is not None else bind_socket(host, port)
         self.host = host
         self.port: int = self.sock.getsockname()[1]
         config = uvicorn.Config(
-            app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=5,
+            app,
+            log_level="warning",
+            access_log=False,
+            lifespan="on",
+            timeout_graceful_shutdown=5,
             timeout_keep_alive=30,
         )
         self.server = uvicorn.Server(config)

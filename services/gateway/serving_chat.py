@@ -26,7 +26,9 @@ class OpenAIServingChat:
         messages = []
         for i, message in enumerate(request.messages):
             if message.role not in CHAT_ROLES:
-                raise bad_request(f"unsupported role {message.role!r} in messages[{i}]", param=f"messages[{i}].role")
+                raise bad_request(
+                    f"unsupported role {message.role!r} in messages[{i}]", param=f"messages[{i}].role"
+                )
             content = message.content
             if isinstance(content, list):  # text parts only (others were refused as unsupported)
                 content = "\n".join(part.text or "" for part in content)
@@ -55,7 +57,11 @@ class OpenAIServingChat:
         return await self._full(request, request_id, model, outputs)
 
     async def _stream(
-        self, request: ChatCompletionRequest, request_id: str, model: str, outputs: AsyncIterator[tuple[int, Any]]
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        model: str,
+        outputs: AsyncIterator[tuple[int, Any]],
     ) -> AsyncIterator[str]:
         created = now_s()
         include_usage = request.include_usage
@@ -91,7 +97,11 @@ class OpenAIServingChat:
         yield SSE_DONE
 
     async def _full(
-        self, request: ChatCompletionRequest, request_id: str, model: str, outputs: AsyncIterator[tuple[int, Any]]
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        model: str,
+        outputs: AsyncIterator[tuple[int, Any]],
     ) -> dict[str, Any]:
         texts: list[list[str]] = [[] for _ in range(request.n)]
         reasons: list[str | None] = [None] * request.n

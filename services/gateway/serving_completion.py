@@ -55,7 +55,9 @@ class OpenAIServingCompletion:
                 if not prompt:
                     raise bad_request("prompt must not be empty", param=param)
                 max_tokens = serving.check_context(len(prompt), max_tokens, param)
-            jobs += [(prompt, serving.sampling_params(request, max_tokens or 16, i)) for i in range(request.n)]
+            jobs += [
+                (prompt, serving.sampling_params(request, max_tokens or 16, i)) for i in range(request.n)
+            ]
         request_id = new_request_id("cmpl")
         outputs = await serving.start(request_id, jobs, model, arrival, "prompt")
         if request.stream:
@@ -63,10 +65,19 @@ class OpenAIServingCompletion:
         return await self._full(request_id, model, len(jobs), request.n, outputs)
 
     async def _stream(
-        self, request: CompletionRequest, request_id: str, model: str, num_choices: int,
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        model: str,
+        num_choices: int,
         outputs: AsyncIterator[tuple[int, Any]],
     ) -> AsyncIterator[str]:
-        base: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": now_s(), "model": model}
+        base: dict[str, Any] = {
+            "id": request_id,
+            "object": "text_completion",
+            "created": now_s(),
+            "model": model,
+        }
         include_usage = request.include_usage
         if include_usage:
             base["usage"] = None
@@ -78,7 +89,12 @@ class OpenAIServingCompletion:
                 completion_tokens[index] = out.completion_tokens
                 if out.delta_text or out.finished:
                     reason = out.finish_reason if out.finished else None
-                    choice = {"index": index, "text": out.delta_text, "logprobs": None, "finish_reason": reason}
+                    choice = {
+                        "index": index,
+                        "text": out.delta_text,
+                        "logprobs": None,
+                        "finish_reason": reason,
+                    }
                     yield sse({**base, "choices": [choice]})
             if include_usage:
                 total_prompt = sum(prompt_tokens[:: request.n])  # each prompt once, not once per choice

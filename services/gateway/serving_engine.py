@@ -59,15 +59,19 @@ class OpenAIServing:
             raise no_healthy_engine("the served model is not known yet")
         if requested != served:
             raise APIError(
-                404, f"The model `{requested}` does not exist. This server serves `{served}`.",
-                param="model", code="model_not_found",
+                404,
+                f"The model `{requested}` does not exist. This server serves `{served}`.",
+                param="model",
+                code="model_not_found",
             )
         return served
 
     def check_fields(self, request: Any, unsupported: list[str] | None = None) -> None:
         names = unsupported if unsupported is not None else unsupported_fields(request)
         if names:
-            raise bad_request(f"unsupported field(s): {', '.join(names)}", param=names[0], code="unsupported_field")
+            raise bad_request(
+                f"unsupported field(s): {', '.join(names)}", param=names[0], code="unsupported_field"
+            )
         if request.n > self.max_n:
             raise bad_request(f"n must be at most {self.max_n}, got {request.n}", param="n")
         if request.stream_options is not None and not request.stream:
@@ -130,7 +134,11 @@ class OpenAIServing:
         """
         streams = [
             self.router.generate(
-                f"{request_id}-{i}" if len(jobs) > 1 else request_id, prompt, params, model_name, arrival,
+                f"{request_id}-{i}" if len(jobs) > 1 else request_id,
+                prompt,
+                params,
+                model_name,
+                arrival,
                 prompt_param,
             )
             for i, (prompt, params) in enumerate(jobs)

@@ -49,7 +49,9 @@ async def prime(streams: Sequence[AsyncIterator[Any]]) -> list[Any]:
     raise (api_errors[0] if api_errors else errors[0])
 
 
-async def merge(streams: Sequence[AsyncIterator[Any]], firsts: Sequence[Any]) -> AsyncIterator[tuple[int, Any]]:
+async def merge(
+    streams: Sequence[AsyncIterator[Any]], firsts: Sequence[Any]
+) -> AsyncIterator[tuple[int, Any]]:
     """Yields (stream index, output) as outputs arrive, starting with the primed first outputs.
 
     An error in any stream is raised here after the others are closed (their engine requests aborted).
