@@ -7,6 +7,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from services.engine.expert_provider import ExpertProvider, ExpertWeights
+from services.engine.offload.eviction.base import EvictionPolicy
 from services.engine.offload.expert_cache import ExpertCache, Slot
 from services.engine.offload.host_store import HostExpertStore, Key
 from services.engine.offload.prefetch.base import Prefetcher, PrefetchRequest
@@ -55,6 +56,8 @@ class OffloadedExpertProvider(ExpertProvider):
         self._depth: int | None = None
         self._current: Slot | None = None
         self._prefetches: list[tuple[Transfer, Slot]] = []  # unused prefetches whose target is ahead
+        # Only FineMoE's eviction reads router probabilities; skip the per-layer mean for the others.
+        self._wants_router_probs = type(cache.eviction).on_layer_routed is not EvictionPolicy.on_layer_routed
 
     # ---- the ExpertProvider protocol ----
     def begin_layer(self, layer: int, experts: list[int], ctx: StepContext) -> list[int]:
@@ -62,7 +65,7 @@ class OffloadedExpertProvider(ExpertProvider):
         self._expire_prefetches(ctx, layer)
         eviction = self.cache.eviction
         probs = ctx.router_probs.get(layer)
-        if probs is not None:
+        if probs is not None and self._wants_router_probs:
             eviction.on_layer_routed(layer, probs.mean(dim=0).tolist(), ctx)
         self._depth = self.stream_slots if ctx.is_prefill and self.rules.stream_prefill else None
         hits, inflight, misses = [], [], []
@@ -243,6 +246,6 @@ class OffloadedExpertProvider(ExpertProvider):
             self.stats.bytes_wasted_prefetch += self.store.expert_bytes
 
     def _track_peak(self) -> None:
-        in_use = sum(1 for s in self.cache.slots if s.pins or s.loading)
+        in_use = len(self._pinned) + sum(1 for t, _ in self._prefetches if not t.event.is_ready())
         if in_use > self.stats.peak_slots_in_use:
             self.stats.peak_slots_in_use = in_use

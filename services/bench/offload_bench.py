@@ -1,0 +1,165 @@
+"""`hintserve bench offload`: every offload policy on the same prompts, side by side in one process."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+from tqdm import tqdm
+
+from services.bench.prompts import prompt_ids
+from services.bench.report import bar_plot, markdown_table, run_header, write_json, write_markdown
+from services.engine.config import EngineConfig
+from services.engine.llm_engine import LLMEngine
+from services.engine.offload.routing_trace import RoutingTrace
+from services.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class Row:
+    policy: str
+    cache_fraction: float
+    link_ratio: float
+    batch: int
+    ttft_ms: float
+    tpot_ms: float
+    hit_rate: float  # decode: resident or already in flight when the router asked
+    prefill_hit_rate: float
+    blocking_ms_per_token: float
+    mb_per_token: float
+    peak_device_mb: float
+    peak_expert_slots_in_use: int
+    prefetch_precision: float
+    tokens_identical_to_resident: bool
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams):
+    """Submits all prompts at once; returns (tokens per request, TTFT s, TPOT s, stats after prefill)."""
+    start = time.perf_counter()
+    seqs = [engine.add_request(f"bench-{i}", p, params) for i, p in enumerate(prompts)]
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    after_prefill = None
+    while engine.has_unfinished():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            first.setdefault(out.request_id, now)
+            last[out.request_id] = now
+        if after_prefill is None and len(first) == len(seqs):
+            after_prefill = engine.stats()
+    ttft = statistics.mean(first[s.request_id] - start for s in seqs)
+    n = params.max_tokens
+    tpot = statistics.mean((last[s.request_id] - first[s.request_id]) / (n - 1) for s in seqs)
+    return [s.completion_token_ids for s in seqs], ttft, tpot, after_prefill
+
+
+def _row(policy, cache, ratio, batch, engine, tokens, expected, ttft, tpot, after_prefill, decode_tokens) -> Row:
+    experts = engine.model.experts
+    s = getattr(experts, "stats", None)
+    if s is None:  # resident: every expert always there
+        return Row(policy, cache, ratio, batch, ttft * 1e3, tpot * 1e3, 1.0, 1.0, 0.0, 0.0,
+                   engine.device_bytes() / 2**20, 0, 0.0, True)
+    pre = after_prefill
+    pre_hits = sum(v for k, v in pre.items() if k.startswith(("offload_expert_hits_total", "offload_expert_inflight")))
+    pre_queries = sum(v for k, v in pre.items() if k.startswith("offload_expert_queries_total"))
+    hits = sum(s.hits) + sum(s.inflight_hits) - pre_hits
+    queries = s.accesses - pre_queries
+    moved = s.bytes_demand + s.bytes_prefetch
+    moved_pre = pre['offload_bytes_moved_total{kind="demand"}'] + pre['offload_bytes_moved_total{kind="prefetch"}']
+    return Row(
+        policy=policy,
+        cache_fraction=cache,
+        link_ratio=ratio,
+        batch=batch,
+        ttft_ms=ttft * 1e3,
+        tpot_ms=tpot * 1e3,
+        hit_rate=hits / queries if queries else 0.0,
+        prefill_hit_rate=pre_hits / pre_queries if pre_queries else 0.0,
+        blocking_ms_per_token=(s.blocking_seconds - pre["offload_blocking_seconds_total"]) * 1e3 / decode_tokens,
+        mb_per_token=(moved - moved_pre) / 2**20 / decode_tokens,
+        peak_device_mb=engine.device_bytes() / 2**20,
+        peak_expert_slots_in_use=s.peak_slots_in_use,
+        prefetch_precision=s.prefetch_precision(),
+        tokens_identical_to_resident=tokens == expected,
+    )
+
+
+def run_offload_bench(
+    model_dir: str,
+    policies: list[str],
+    caches: list[float],
+    ratios: list[float],
+    batches: list[int],
+    json_path: str,
+    plot_path: str | None = None,
+    new_tokens: int = 32,
+    repeats: int = 1,
+) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    rows: list[Row] = []
+    trace_dir = tempfile.mkdtemp(prefix="hintserve-trace-")
+    cases = [(c, r, b) for c in caches for r in ratios for b in batches]
+    progress = tqdm(total=len(cases) * len(policies) * repeats, desc="bench offload", unit="run")
+    for cache, ratio, batch in cases:
+        reference = LLMEngine(EngineConfig(model=model_dir, max_num_seqs=max(batch, 1)))
+        prompts = prompt_ids(reference.tokenizer, batch)
+        trace = RoutingTrace(reference.spec.num_layers)
+        reference.runner.step_observers.append(trace)
+        expected, *_ = _run(reference, prompts, params)
+        trace_path = os.path.join(trace_dir, f"trace-b{batch}.json")
+        trace.save(trace_path)
+        reference.close()
+        for policy in policies:
+            samples = []
+            for _ in range(repeats):
+                engine = LLMEngine(EngineConfig(
+                    model=model_dir, max_num_seqs=max(batch, 1), offload_policy=policy,
+                    expert_cache_fraction=cache, link_ratio=ratio, routing_trace=trace_path,
+                ))
+                tokens, ttft, tpot, after_prefill = _run(engine, prompts, params)
+                samples.append(_row(policy, cache, ratio, batch, engine, tokens, expected, ttft, tpot,
+                                    after_prefill, batch * (new_tokens - 1)))
+                engine.close()
+                progress.update()
+            rows.append(_median_row(samples))
+    progress.close()
+    result = {**run_header(), "model": os.path.abspath(model_dir), "new_tokens": new_tokens,
+              "repeats": repeats, "rows": [asdict(r) for r in rows]}
+    _report(result, rows, json_path, plot_path)
+    return result
+
+
+def _median_row(samples: list[Row]) -> Row:
+    if len(samples) == 1:
+        return samples[0]
+    fields = asdict(samples[0])
+    for name, value in fields.items():
+        if isinstance(value, float):
+            fields[name] = statistics.median(getattr(s, name) for s in samples)
+    fields["tokens_identical_to_resident"] = all(s.tokens_identical_to_resident for s in samples)
+    return Row(**fields)
+
+
+def _report(result: dict, rows: list[Row], json_path: str, plot_path: str | None) -> None:
+    headers = ("policy", "cache", "ratio", "batch", "TTFT ms", "TPOT ms", "hit rate", "blocking ms/tok",
+               "MB/tok", "peak MB", "peak slots", "same tokens")
+    table = markdown_table(headers, [
+        (r.policy, f"{r.cache_fraction:.0%}", r.link_ratio, r.batch, r.ttft_ms, r.tpot_ms, r.hit_rate,
+         r.blocking_ms_per_token, r.mb_per_token, r.peak_device_mb, r.peak_expert_slots_in_use,
+         "yes" if r.tokens_identical_to_resident else "NO")
+        for r in rows
+    ])
+    print(table)
+    write_json(json_path, result)
+    write_markdown(os.path.splitext(json_path)[0] + ".md", "Offload policies", result, table)
+    if plot_path:
+        policies = list(dict.fromkeys(r.policy for r in rows))
+        series = {}
+        for r in rows:
+            series.setdefault(f"batch {r.batch}, {r.cache_fraction:.0%}, x{r.link_ratio:g}", {})[r.policy] = r.tpot_ms
+        bar_plot(plot_path, "TPOT by offload policy (lower is better)", policies,
+                 {k: [v.get(p, 0.0) for p in policies] for k, v in series.items()}, "TPOT (ms)")
