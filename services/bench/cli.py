@@ -32,6 +32,42 @@ def _gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fractions(text: str) -> list[float]:
+    """'25%,50%' or '0.25,0.5' -> [0.25, 0.5]."""
+    out = [float(t[:-1]) / 100 if t.endswith("%") else float(t) for t in text.split(",") if t]
+    if not out or any(not 0 < f <= 1 for f in out):
+        raise ValueError(f"cache fractions must be in (0, 1] (or 1%-100%), got {text!r}")
+    return out
+
+
+def _numbers(text: str, kind: type) -> list:
+    out = [kind(t) for t in text.split(",") if t]
+    if not out or any(v <= 0 for v in out):
+        raise ValueError(f"expected a comma-separated list of positive numbers, got {text!r}")
+    return out
+
+
+def _offload(args: argparse.Namespace) -> int:
+    from services.bench.offload_bench import run_offload_bench
+    from services.engine.offload.policies import POLICIES
+
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise FileNotFoundError(f"no model (config.json) in {args.model}")
+    policies = list(POLICIES) if args.policies == "all" else args.policies.split(",")
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; choose from: {', '.join(POLICIES)} or all")
+    if "resident" not in policies:
+        policies.insert(0, "resident")  # the reference every other policy is compared against
+    if args.new_tokens < 2 or args.repeats < 1:
+        raise ValueError("--new-tokens must be >= 2 and --repeats >= 1")
+    run_offload_bench(
+        args.model, policies, _fractions(args.cache), _numbers(args.link_ratio, float),
+        _numbers(args.batch, int), args.json, args.plot, args.new_tokens, args.repeats,
+    )
+    return 0
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="run a benchmark")
     kinds = bench.add_subparsers(dest="bench", required=True)
@@ -54,3 +90,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gateway.add_argument("--rounds", type=int, default=3, help="measured rounds (after one warm-up round)")
     gateway.add_argument("--batch-window-ms", type=float, default=2.0, help="the gateway's batch window")
     gateway.set_defaults(func=_gateway)
+
+    offload = kinds.add_parser("offload", help="every offload policy on the same prompts: TTFT, TPOT, hit rate")
+    offload.add_argument("--model", default="models/demo-moe")
+    offload.add_argument("--policies", default="all", help="comma-separated policy names, or all")
+    offload.add_argument("--cache", default="25%", help="expert cache sizes, e.g. 10%%,25%%,50%%")
+    offload.add_argument("--link-ratio", default="30", help="emulated link ratios, e.g. 10,30,100")
+    offload.add_argument("--batch", default="1,4,16", help="concurrent requests, e.g. 1,4,16")
+    offload.add_argument("--new-tokens", type=int, default=32)
+    offload.add_argument("--repeats", type=int, default=1, help="runs per case; figures are medians")
+    offload.add_argument("--json", default="bench/results/offload.json")
+    offload.add_argument("--plot", default=None, help="PNG of TPOT per policy (default: next to --json)")
+    offload.set_defaults(func=_offload)

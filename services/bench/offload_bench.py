@@ -129,7 +129,7 @@ def run_offload_bench(
     progress.close()
     result = {**run_header(), "model": os.path.abspath(model_dir), "new_tokens": new_tokens,
               "repeats": repeats, "rows": [asdict(r) for r in rows]}
-    _report(result, rows, json_path, plot_path)
+    _report(result, rows, json_path, plot_path or os.path.splitext(json_path)[0] + ".png")
     return result
 
 
@@ -144,7 +144,7 @@ def _median_row(samples: list[Row]) -> Row:
     return Row(**fields)
 
 
-def _report(result: dict, rows: list[Row], json_path: str, plot_path: str | None) -> None:
+def _report(result: dict, rows: list[Row], json_path: str, plot_path: str) -> None:
     headers = ("policy", "cache", "ratio", "batch", "TTFT ms", "TPOT ms", "hit rate", "blocking ms/tok",
                "MB/tok", "peak MB", "peak slots", "same tokens")
     table = markdown_table(headers, [
@@ -156,7 +156,7 @@ def _report(result: dict, rows: list[Row], json_path: str, plot_path: str | None
     print(table)
     write_json(json_path, result)
     write_markdown(os.path.splitext(json_path)[0] + ".md", "Offload policies", result, table)
-    if plot_path:
+    if rows:
         policies = list(dict.fromkeys(r.policy for r in rows))
         series = {}
         for r in rows:
