@@ -44,6 +44,7 @@ class ModelRunner:
             num_tokens=int(input_ids.shape[0]),
             step_index=self.num_steps,
             seq_lens=meta.seq_lens,
+            iterations=[s.num_completion_tokens for s in seqs],
         )
         self.num_steps += 1
         hidden = self.model.forward(input_ids, positions, meta, ctx)

@@ -56,6 +56,7 @@ class MoECausalLM:
         """Hidden states after the final norm, one row per input token."""
         spec = self.spec
         h = F.embedding(input_ids, self.w.embed)
+        ctx.embeddings = h
         cos, sin = self.cos[positions], self.sin[positions]
         for i, layer in enumerate(self.w.layers):
             residual = h

@@ -1,0 +1,39 @@
+"""One interface for every expert predictor: learn from traces, then score the experts of a future layer."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import numpy as np
+
+from services.predictor.context import IterationContext, PredictionQuery, RequestTrace
+
+
+class Predictor(ABC):
+    name: str = ""
+
+    def __init__(self, num_layers: int, num_experts: int, top_k: int) -> None:
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.top_k = top_k
+
+    def fit(self, requests: list[RequestTrace]) -> None:
+        """Offline training; the default observes every iteration in order (online learners)."""
+        for request in requests:
+            for it in request.iterations:
+                self.observe(it)
+
+    def observe(self, iteration: IterationContext) -> None:  # noqa: B027 - optional for offline predictors
+        """Online update with a finished iteration (e.g. add its expert map to the store)."""
+
+    @abstractmethod
+    def predict(self, query: PredictionQuery) -> np.ndarray:
+        """Scores over the experts of `query.target_layer` ([experts], higher = more likely)."""
+
+    def snapshot(self) -> dict[str, Any]:
+        """State to persist (map store, EAMC); restored with `restore`."""
+        return {}
+
+    def restore(self, state: dict[str, Any]) -> None:  # noqa: B027 - stateless predictors
+        """Inverse of `snapshot`."""
