@@ -77,6 +77,9 @@ async def until_disconnected(raw: Request, work: Awaitable[Any]) -> Any:
 
 
 def to_response(result: Any) -> Response:
+    # A stream whose client vanishes before its first byte is never iterated, so its own cleanup cannot run;
+    # the engine requests are then aborted when the primed generators are garbage-collected (asyncio's
+    # async-generator finalizer closes them), which CPython does as soon as the response is dropped.
     if result is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     if isinstance(result, dict):

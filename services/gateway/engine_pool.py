@@ -97,7 +97,7 @@ class EnginePool:
         timeout = self.check_timeout_s
         try:
             ok = await asyncio.wait_for(handle.client.health(), timeout)
-            if ok and handle.model_info is None:
+            if ok and (handle.model_info is None or not handle.healthy):  # (re)started: maybe another model
                 handle.model_info = await asyncio.wait_for(handle.client.model_info(), timeout)
             if ok:
                 handle.stats = await asyncio.wait_for(handle.client.stats(), timeout)

@@ -82,14 +82,14 @@ class EngineRouter:
                         raise _engine_aborted()
                     return handle, stream, first, submitted
                 except BaseException as exc:
-                    self.admission.release(handle)
-                    await _close(stream)
                     if running:
                         m.running.dec()
                         m.waiting.inc()
                         running = False
+                    self.admission.release(handle)
+                    await _close(stream)
                     if not isinstance(exc, Exception):
-                        raise  # cancelled: the client went away
+                        raise
                     if isinstance(exc, StopAsyncIteration):
                         error = APIError(502, "engine closed the stream without output", retriable=True)
                     else:
@@ -100,8 +100,10 @@ class EngineRouter:
                         self.pool.mark_unhealthy(handle, describe_error(exc))
                     handle.failures += 1
                     excluded.append(handle)
-        except BaseException:
+        except BaseException as exc:
             m.waiting.dec()
+            if not isinstance(exc, Exception):  # cancelled, queued or submitted: the client went away
+                m.finished("abort")
             raise
 
     async def generate(

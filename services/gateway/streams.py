@@ -77,11 +77,12 @@ async def merge(
         except Exception as exc:
             queue.put_nowait((index, None, exc))
 
-    for index, first in enumerate(firsts):
-        yield index, first
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    tasks: list[asyncio.Future] = []
     remaining = len(streams)
     try:
+        for index, first in enumerate(firsts):
+            yield index, first
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
         while remaining:
             index, out, error = await queue.get()
             if error is not None:
