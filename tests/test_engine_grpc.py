@@ -212,5 +212,5 @@ async def test_health_model_info_stats(engine: Any, client: EngineClient) -> Non
     stats_reply = await client.stub.Stats(engine_pb2.StatsRequest())
     counters = dict(stats_reply.counters)
     assert set(engine.stats()) <= set(counters)
-    assert counters["kv_blocks_total"] > 0
+    assert counters["kv_blocks_capacity"] > 0
     assert stats_reply.num_running == 0 and stats_reply.num_waiting == 0

@@ -196,7 +196,7 @@ class LLMEngine:
             num_running=float(len(self.scheduler.running)),
             num_waiting=float(len(self.scheduler.waiting)),
             kv_blocks_used=float(self.block_manager.num_used),
-            kv_blocks_total=float(self.block_manager.num_blocks),
+            kv_blocks_capacity=float(self.block_manager.num_blocks),
             preemptions_total=float(self.scheduler.num_preemptions),
             device_bytes=float(self.device_bytes()),
         )

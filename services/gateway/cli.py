@@ -37,6 +37,8 @@ _SERVE_AUTH = (
 
 
 def register(subparsers: Any) -> None:
+    from services.engine.cli import add_engine_args
+
     gateway = subparsers.add_parser(
         "gateway", help="serve the OpenAI API in front of engines (gRPC)", description=_GATEWAY_AUTH
     )
@@ -52,14 +54,7 @@ def register(subparsers: Any) -> None:
     serve = subparsers.add_parser(
         "serve", help="gateway + in-process engine in one process (OpenAI API on :8000)", description=_SERVE_AUTH
     )
-    serve.add_argument(
-        "--model", default=DEFAULT_MODEL_DIR, help=f"model directory (default {DEFAULT_MODEL_DIR})"
-    )
-    serve.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=None)
-    serve.add_argument("--device", default=None, help="cpu or cuda[:N]")
-    serve.add_argument("--max-num-seqs", type=int, default=None)
-    serve.add_argument("--max-num-batched-tokens", type=int, default=None)
-    serve.add_argument("--kv-cache-mb", type=int, default=None)
+    add_engine_args(serve, model_default=DEFAULT_MODEL_DIR)
     _add_gateway_args(serve)
     serve.set_defaults(func=run_serve)
 
