@@ -1,0 +1,136 @@
+"""The Broker on Redis: pub-sub channels, and Streams trimmed with MAXLEN and read through consumer groups."""
+
+from __future__ import annotations
+
+import redis.asyncio as redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from services.common.broker import DEFAULT_STREAM_MAXLEN, Broker, BrokerUnavailable, Subscription
+
+_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
+_FIELD = b"d"  # one field per entry: the protobuf payload
+
+
+class _RedisSubscription(Subscription):
+    def __init__(self, pubsub: redis.client.PubSub) -> None:
+        self._pubsub = pubsub
+
+    async def get(self, timeout: float | None = None) -> bytes | None:
+        try:
+            msg = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=timeout)
+        except _DOWN as exc:
+            raise BrokerUnavailable(f"redis pub-sub: {exc}") from exc
+        return None if msg is None else msg["data"]
+
+    async def close(self) -> None:
+        try:
+            await self._pubsub.aclose()
+        except _DOWN:
+            pass  # the connection is gone already
+
+
+class RedisBroker(Broker):
+    def __init__(self, url: str, connect_timeout_s: float = 0.5, socket_timeout_s: float = 5.0) -> None:
+        self.url = url
+        # No client-side retries: callers own the backoff, and a retry loop here would hide outages for
+        # seconds. socket_timeout must exceed the longest XREADGROUP BLOCK we issue (1 s).
+        self._client = redis.Redis.from_url(
+            url,
+            socket_connect_timeout=connect_timeout_s,
+            socket_timeout=socket_timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+        )
+
+    async def ping(self) -> None:
+        try:
+            await self._client.ping()
+        except _DOWN as exc:
+            raise BrokerUnavailable(f"redis {self.url}: {exc}") from exc
+
+    async def publish(self, channel: str, data: bytes) -> int:
+        try:
+            return int(await self._client.publish(channel, data))
+        except _DOWN as exc:
+            raise BrokerUnavailable(f"redis {self.url}: {exc}") from exc
+
+    async def subscribe(self, channel: str) -> Subscription:
+        pubsub = self._client.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(channel)
+        except _DOWN as exc:
+            await _RedisSubscription(pubsub).close()
+            raise BrokerUnavailable(f"redis {self.url}: {exc}") from exc
+        return _RedisSubscription(pubsub)
+
+    async def stream_append(self, stream: str, data: bytes, maxlen: int = DEFAULT_STREAM_MAXLEN) -> str:
+        try:
+            # Approximate trimming ("~") drops whole radix-tree nodes: O(1) amortised, bound within ~100.
+            entry = await self._client.xadd(stream, {_FIELD: data}, maxlen=maxlen, approximate=True)
+        except _DOWN as exc:
+            raise BrokerUnavailable(f"redis {self.url}: {exc}") from exc
+        return entry.decode()
+
+    async def ensure_group(self, stream: str, group: str, start: str = "$") -> None:
+        try:
+            await self._client.xgroup_create(stream, group, id=start, mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        except _DOWN as exc:
+            raise BrokerUnavailable(f"redis {self.url}: {exc}") from exc
+
+    async def stream_read_group(
+        self, stream: str, group: str, consumer: str, count: int = 64, block_ms: int | None = 100,
+        pending: bool = False,
+    ) -> list[tuple[str, bytes]]:
+        for attempt in range(2):
+            try:
+                reply = await self._client.xreadgroup(
+                    group, consumer, {stream: "0" if pending else ">"}, count=count,
+                    block=None if pending else block_ms,
+                )
+                break
+            except ResponseError as exc:
+                # NOGROUP: Redis restarted without persistence (or the stream was deleted). Start over
+                # from the beginning of whatever the engines appended since.
+                if "NOGROUP" not in str(exc) or attempt:
+                    raise
+                await self.ensure_group(stream, group, start="0")
+            except _DOWN as exc:
+                raise BrokerUnavailable(f"redis {self.url}: {exc}") from exc
+        out: list[tuple[str, bytes]] = []
+        trimmed: list[str] = []
+        for _, entries in reply or []:
+            for entry_id, fields in entries:
+                if fields is None or _FIELD not in fields:
+                    trimmed.append(entry_id.decode())  # pending, but MAXLEN already dropped it
+                else:
+                    out.append((entry_id.decode(), fields[_FIELD]))
+        if trimmed:
+            await self.stream_ack(stream, group, trimmed)
+        return out
+
+    async def stream_ack(self, stream: str, group: str, ids: list[str]) -> None:
+        if not ids:
+            return
+        try:
+            await self._client.xack(stream, group, *ids)
+        except _DOWN as exc:
+            raise BrokerUnavailable(f"redis {self.url}: {exc}") from exc
+
+    async def stream_len(self, stream: str) -> int:
+        try:
+            return int(await self._client.xlen(stream))
+        except _DOWN as exc:
+            raise BrokerUnavailable(f"redis {self.url}: {exc}") from exc
+
+    async def close(self) -> None:
+        try:
+            await self._client.aclose()
+        except _DOWN:
+            pass

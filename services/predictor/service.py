@@ -1,0 +1,237 @@
+"""The predictor service loop: contexts from the Stream `hintserve:ctx` -> observe + predict -> hints on
+`hintserve:hints:<engine_id>`, with its own Prometheus /metrics and periodic snapshots.
+
+Reads through a consumer group: on start it first redoes what it had been given but never acknowledged
+(a crash mid-batch), then takes new entries. Contexts older than `max_context_age_s` (a backlog after
+downtime) are only observed: their hints would be stale at the engine. Broker outages are retried with
+exponential backoff; state changes are logged once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+
+from google.protobuf.message import DecodeError
+from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
+from prometheus_client import Counter as PromCounter
+
+from services.common.broker import CONTEXT_STREAM, PREDICTOR_GROUP, Broker, BrokerUnavailable, hint_channel
+from services.common.protos import predictor_pb2 as pb
+from services.predictor.hub import CapacityExceeded, PredictorHub
+from services.predictor.messages import InvalidInput
+from services.predictor.snapshots import Snapshotter
+
+log = logging.getLogger(__name__)
+_LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 50e-3, 0.25)
+
+
+class ServiceMetrics:
+    """Prometheus series of one service (own registry: several services may share a process in tests)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.search_seconds = Histogram(
+            "hintserve_predictor_search_seconds", "Observe + predict time per context batch or Search call",
+            ["source"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.hints_published = PromCounter(
+            "hintserve_predictor_hints_published", "Hints (one per request, iteration, target layer) sent", registry=r
+        )
+        self.contexts_consumed = PromCounter(
+            "hintserve_predictor_contexts_consumed", "Iteration contexts read from the stream", registry=r
+        )
+        self.contexts_rejected = PromCounter(
+            "hintserve_predictor_contexts_rejected", "Stream entries dropped as invalid", ["reason"], registry=r
+        )
+        self.broker_connected = Gauge(
+            "hintserve_predictor_broker_connected", "1 while the broker answers", registry=r
+        )
+        self.models = Gauge("hintserve_predictor_models", "Models with a predictor state", registry=r)
+        self._server = None
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Starts /metrics on a daemon thread; returns the bound port (0 picks a free one)."""
+        self._server, _ = start_http_server(port, host, registry=self.registry)
+        return self._server.server_port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class PredictorService:
+    def __init__(
+        self,
+        broker: Broker,
+        hub: PredictorHub,
+        *,
+        consumer: str = "predictor-1",
+        group: str = PREDICTOR_GROUP,
+        stream: str = CONTEXT_STREAM,
+        max_context_age_s: float = 1.0,
+        snapshotter: Snapshotter | None = None,
+        snapshot_interval_s: float = 60.0,
+        metrics: ServiceMetrics | None = None,
+        backoff_s: tuple[float, float] = (0.05, 2.0),
+        read_count: int = 64,
+        engines: set[str] | None = None,
+    ) -> None:
+        self.broker = broker
+        self.hub = hub
+        self.consumer = consumer
+        self.group = group
+        self.stream = stream
+        self.max_context_age_s = max_context_age_s
+        self.snapshotter = snapshotter
+        self.snapshot_interval_s = snapshot_interval_s
+        self.metrics = metrics or ServiceMetrics()
+        self.backoff_s = backoff_s
+        self.read_count = read_count
+        self.engines = engines  # answer only these engines (None: all)
+        self.counters: Counter[str] = Counter()
+        self.connected = False
+        self.ready = asyncio.Event()  # set once the consumer group exists (tests synchronise on it)
+        self._stop = asyncio.Event()
+
+    # ---- lifecycle ----
+    async def run(self) -> None:
+        """Until `stop()`: consume, and snapshot every `snapshot_interval_s`; a final snapshot on exit."""
+        tasks = [asyncio.create_task(self._consume_forever(), name="predictor-consume")]
+        if self.snapshotter is not None and self.snapshot_interval_s > 0:
+            tasks.append(asyncio.create_task(self._snapshot_periodically(), name="predictor-snapshots"))
+        try:
+            await self._stop.wait()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if self.snapshotter is not None:
+                saved = self.snapshotter.save_all()
+                if saved:
+                    log.info("snapshot on shutdown: %s", ", ".join(f"{n} ({b} B)" for n, b in saved))
+                self.counters["snapshots_total"] += len(saved)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _set_connected(self, up: bool, reason: str = "") -> None:
+        if up != self.connected:  # log state changes once, not every retry
+            if up:
+                log.info("predictor connected to broker %s", self.broker.url)
+            else:
+                log.warning("predictor lost broker %s (%s); retrying with backoff", self.broker.url, reason)
+        self.connected = up
+        self.metrics.broker_connected.set(1.0 if up else 0.0)
+
+    # ---- the stream ----
+    async def _consume_forever(self) -> None:
+        delay = self.backoff_s[0]
+        while True:
+            try:
+                # "0": a new group also reads what engines appended before the predictor first started
+                # (observed for learning; too old to answer).
+                await self.broker.ensure_group(self.stream, self.group, start="0")
+                self._set_connected(True)
+                self.ready.set()
+                await self._consume(pending=True)  # what a previous run of this consumer left unacknowledged
+                delay = self.backoff_s[0]
+                while True:
+                    await self._consume(pending=False)
+            except BrokerUnavailable as exc:
+                self._set_connected(False, str(exc))
+                self.counters["broker_errors_total"] += 1
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.backoff_s[1])
+
+    async def _consume(self, pending: bool) -> None:
+        while True:
+            entries = await self.broker.stream_read_group(
+                self.stream, self.group, self.consumer, count=self.read_count, block_ms=200, pending=pending
+            )
+            if not entries:
+                return
+            for _, data in entries:
+                await self._process(data)
+            # Acknowledge after the hints went out: the ack is off the latency path, and a crash before it
+            # means the entries are redone (observed twice at worst), never lost.
+            await self.broker.stream_ack(self.stream, self.group, [entry_id for entry_id, _ in entries])
+            if not pending:
+                return
+
+    async def _process(self, data: bytes) -> None:
+        try:
+            batch = pb.ContextBatch.FromString(data)
+        except DecodeError:
+            self._reject("undecodable")
+            return
+        if self.engines is not None and batch.engine_id not in self.engines:
+            self.counters["batches_skipped_total"] += 1
+            return
+        age = time.time() - batch.sent_unix_ns / 1e9
+        fresh = age <= self.max_context_age_s
+        start = time.perf_counter()
+        try:
+            hints = self.hub.handle(batch, predict=fresh)
+        except (InvalidInput, CapacityExceeded) as exc:
+            self._reject("invalid" if isinstance(exc, InvalidInput) else "capacity")
+            log.debug("rejected context batch from %s: %s", batch.engine_id, exc)
+            return
+        except Exception:  # a predictor bug must not stop the loop (the engine keeps its local prefetchers)
+            self._reject("error")
+            log.exception("predictor failed on a context batch from %s", batch.engine_id)
+            return
+        self.metrics.search_seconds.labels("stream").observe(time.perf_counter() - start)
+        self.metrics.contexts_consumed.inc(len(batch.contexts))
+        self.metrics.models.set(len(self.hub.models))
+        self.counters["contexts_consumed_total"] += len(batch.contexts)
+        self.counters["batches_consumed_total"] += 1
+        if not fresh:
+            self.counters["contexts_too_old_total"] += len(batch.contexts)
+            return
+        if not hints or not batch.engine_id:
+            return
+        out = pb.HintBatch(
+            engine_id=batch.engine_id, ctx_sent_unix_ns=batch.sent_unix_ns, sent_unix_ns=time.time_ns(),
+            step=batch.step, hints=hints,
+        )
+        await self.broker.publish(hint_channel(batch.engine_id), out.SerializeToString())
+        self.metrics.hints_published.inc(len(hints))
+        self.counters["hints_published_total"] += len(hints)
+        self.counters["hint_batches_published_total"] += 1
+
+    def _reject(self, reason: str) -> None:
+        self.metrics.contexts_rejected.labels(reason).inc()
+        self.counters[f'contexts_rejected_total{{reason="{reason}"}}'] += 1
+
+    # ---- snapshots ----
+    async def snapshot(self, models: list[str] | None = None) -> list[tuple[str, int]]:
+        """Encodes on the loop (a consistent state), writes on a thread (the loop keeps serving)."""
+        assert self.snapshotter is not None
+        out = []
+        for model in models if models is not None else list(self.hub.models):
+            name, data = self.snapshotter.encode(model)
+            await asyncio.to_thread(self.snapshotter.write, name, data)
+            out.append((name, len(data)))
+        self.counters["snapshots_total"] += len(out)
+        return out
+
+    async def _snapshot_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self.snapshot_interval_s)
+            try:
+                await self.snapshot()
+            except OSError as exc:  # a full disk must not stop predictions
+                log.warning("periodic snapshot failed: %s", exc)
+
+    def stats(self) -> dict[str, float]:
+        out = {k: float(v) for k, v in self.hub.counters.items()}
+        out.update({k: float(v) for k, v in self.counters.items()})
+        out["broker_connected"] = 1.0 if self.connected else 0.0
+        out["models"] = float(len(self.hub.models))
+        return out
