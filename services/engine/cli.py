@@ -65,6 +65,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_default: str | None =
     offload.add_argument("--prefetch-distance", type=int, default=None)
     offload.add_argument("--eviction", choices=tuple(EVICTION_POLICIES), default=None)
     offload.add_argument("--routing-trace", default=None, help="recorded routing (oracle, belady)")
+    link = parser.add_argument_group("predictor link (policies with prediction hints)")
+    link.add_argument("--redis-url", default=None, help="broker for the predictor service (default: embedded)")
+    link.add_argument("--engine-id", default=None, help="this engine's hint channel name (default: generated)")
+    link.add_argument("--predictor", default=None, help="override the policy's predictor; none turns hints off")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

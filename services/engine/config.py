@@ -7,6 +7,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from services.common.broker import check_broker_url
+
 
 @dataclass
 class EngineConfig:
@@ -30,6 +32,10 @@ class EngineConfig:
     prefetch_distance: int = 2
     eviction: str | None = None  # override the policy's eviction policy
     routing_trace: str | None = None  # recorded routing for the oracle / belady policies
+    # Predictor link (policies with prediction hints): Redis broker, or an embedded predictor without one.
+    redis_url: str | None = None  # redis://host:port; None: in-process broker + embedded predictor service
+    engine_id: str | None = None  # names this engine's hint channel hintserve:hints:<engine_id>; None: generated
+    predictor: str | None = None  # override the policy's predictor (registry name or module:Class); none: off
     extra: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -60,6 +66,7 @@ class EngineConfig:
             raise ValueError(f"expert_cache_fraction must be in (0, 1], got {self.expert_cache_fraction}")
         if self.prefetch_distance < 1:
             raise ValueError(f"prefetch_distance must be at least 1, got {self.prefetch_distance}")
+        check_broker_url(self.redis_url)
 
     def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         if self.dtype != "auto":

@@ -18,6 +18,7 @@ class OffloadPolicy:
     prefetchers: tuple[str, ...] = ()
     rules: PhaseRules = field(default_factory=PhaseRules)
     needs_trace: bool = False  # replays a routing trace recorded from an identical earlier run
+    predictor: str | None = None  # the predictor service's model behind the "hints" prefetcher
 
 
 POLICIES: dict[str, OffloadPolicy] = {
@@ -40,6 +41,15 @@ POLICIES: dict[str, OffloadPolicy] = {
                       prefetchers=("oracle",), needs_trace=True),
         OffloadPolicy("belady", "no prefetch, Belady's optimal eviction from a recorded trace (the caching bound)",
                       eviction="belady", needs_trace=True),
+        OffloadPolicy("moe-infinity", "EAM cache priority + prefetch hints from the predictor's EAMC (MoE-Infinity)",
+                      eviction="eam", prefetchers=("hints",), predictor="eamc"),
+        OffloadPolicy("promoe", "LRU + skip-gate stride prefetch, demand chunks overtake prefetches (ProMoE)",
+                      prefetchers=("speculative",)),
+        OffloadPolicy("finemoe", "1/(p*freq) eviction + prefetch hints from the predictor's expert maps (FineMoE)",
+                      eviction="finemoe", prefetchers=("hints",), predictor="expert-map"),
+        OffloadPolicy("hintserve", "ours: local skip-gate for near layers, predictor hints for far layers and "
+                      "the next iteration, 1/(p*freq) eviction", eviction="finemoe",
+                      prefetchers=("speculative", "hints"), predictor="expert-map"),
     )
 }
 

@@ -23,6 +23,7 @@ from services.engine.offload.prefetch import (
     Prefetcher,
     SpeculativePrefetcher,
 )
+from services.engine.offload.prefetch.hints import HintStats
 from services.engine.offload.provider import OffloadedExpertProvider
 from services.engine.offload.routing_trace import RoutingTrace
 from services.engine.offload.stats import OffloadStats
@@ -86,7 +87,8 @@ def make_eviction(name: str, config: EngineConfig, spec: ModelSpec, slots: int) 
 
 
 def make_prefetchers(
-    policy: OffloadPolicy, config: EngineConfig, spec: ModelSpec, weights: NonExpertWeights
+    policy: OffloadPolicy, config: EngineConfig, spec: ModelSpec, weights: NonExpertWeights,
+    stats: OffloadStats | None = None,
 ) -> list[Prefetcher]:
     out: list[Prefetcher] = []
     for name in policy.prefetchers:
@@ -98,6 +100,12 @@ def make_prefetchers(
             out.append(OraclePrefetcher(_trace(config, policy.name), spec.moe_layers, config.prefetch_distance))
         elif name == "affinity":
             out.append(AffinityPrefetcher(spec.num_experts, spec.top_k, spec.moe_layers))
+        elif name == "hints":
+            from services.engine.predictor_link import build_hint_prefetcher  # redis, grpc: only when used
+
+            # Beside a local skip-gate, hints serve only the layers beyond its reach.
+            near = config.prefetch_distance if "speculative" in policy.prefetchers else 0
+            out.append(build_hint_prefetcher(config, spec, policy.predictor or "", near, stats))
         else:
             raise ValueError(f"unknown prefetcher {name!r}")
     return out
@@ -115,7 +123,8 @@ def build_expert_provider(
     store = HostExpertStore(reader, spec, pin=cuda)
     slots = cache_slots(config, spec, store.expert_bytes)
     eviction = make_eviction(config.eviction or policy.eviction, config, spec, slots)
-    stats = OffloadStats(spec.num_layers, slots_total=slots, expert_bytes=store.expert_bytes)
+    stats_type = HintStats if "hints" in policy.prefetchers else OffloadStats
+    stats = stats_type(spec.num_layers, slots_total=slots, expert_bytes=store.expert_bytes)
     link = make_link(config, spec, store.expert_bytes, reader.dtype)
     cache = ExpertCache(slots, store.layout, reader.dtype, config.device, eviction)
     fence = None
@@ -127,7 +136,7 @@ def build_expert_provider(
         store,
         cache,
         TransferEngine(link, stats),
-        make_prefetchers(policy, config, spec, weights),
+        make_prefetchers(policy, config, spec, weights, stats),
         policy.rules,
         stats,
         stream_slots=spec.top_k,

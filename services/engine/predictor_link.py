@@ -1,0 +1,358 @@
+"""The engine's link to the predictor service: iteration contexts out, prefetch hints in.
+
+The decode loop only enqueues: a step's StepContext (finished, at step end) or a few layers into it
+(partial, from HintPrefetcher.plan) goes into a bounded queue; when the queue is full or the broker is
+down the context is dropped and counted. A background thread with its own event loop turns contexts into
+protobuf (per request: router probabilities and routed-token counts per layer, mean input embedding),
+appends them to the Stream `hintserve:ctx`, and feeds hints from `hintserve:hints:<engine_id>` into the
+HintPrefetcher. If the broker goes away the engine keeps serving with its local prefetchers; the link
+reconnects with exponential backoff and logs each state change once.
+
+Without --redis-url the link runs the predictor service itself, on an in-process broker in its thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from google.protobuf.message import DecodeError
+
+from services.common.broker import (
+    CONTEXT_STREAM,
+    DEFAULT_STREAM_MAXLEN,
+    Broker,
+    BrokerUnavailable,
+    hint_channel,
+)
+from services.common.protos import predictor_pb2 as pb
+from services.engine.offload.prefetch.hints import HintPrefetcher
+from services.engine.step_context import StepContext
+from services.predictor.messages import Shape
+
+if TYPE_CHECKING:
+    from services.engine.config import EngineConfig
+    from services.engine.models.spec import ModelSpec
+    from services.engine.offload.stats import OffloadStats
+
+log = logging.getLogger(__name__)
+_ids = itertools.count()
+_LATENCY_WINDOW = 2048  # recent hint batches behind the latency quantiles
+
+
+def default_engine_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{next(_ids)}"
+
+
+@torch.inference_mode()
+def encode_step(ctx: StepContext, layers_seen: int, shape: Shape) -> list[pb.IterationContext]:
+    """Per request of the step: token-mean router probabilities and routed-token counts of the first
+    `layers_seen` layers (dense layers stay zero), and the mean input embedding."""
+    n_req, n_exp = len(ctx.request_ids), shape.num_experts
+    lens = ctx.seq_lens or [1] * n_req
+    decode = all(n == 1 for n in lens)
+    token_req = torch.arange(n_req) if decode else torch.repeat_interleave(torch.arange(n_req), torch.tensor(lens))
+    denom = torch.tensor(lens, dtype=torch.float32)[:, None]
+
+    def mean(x: torch.Tensor) -> torch.Tensor:
+        x = x.float().cpu()
+        return x if decode else torch.zeros(n_req, x.shape[1]).index_add_(0, token_req, x) / denom
+
+    probs = torch.zeros(n_req, shape.num_layers, n_exp)
+    counts = torch.zeros(n_req, shape.num_layers, n_exp)
+    for layer in range(layers_seen):
+        p, sel = ctx.router_probs.get(layer), ctx.selected_experts.get(layer)
+        if p is None or sel is None:
+            continue
+        probs[:, layer] = mean(p)
+        flat = token_req.repeat_interleave(sel.shape[1]) * n_exp + sel.flatten().cpu()
+        counts[:, layer] = torch.bincount(flat, minlength=n_req * n_exp).view(n_req, n_exp).float()
+    emb = mean(ctx.embeddings) if ctx.embeddings is not None and shape.hidden_size else torch.zeros(n_req, 0)
+    iterations = ctx.iterations or [0] * n_req
+    return [
+        pb.IterationContext(
+            request_id=rid, iteration=iterations[i], layers_seen=layers_seen, num_tokens=lens[i],
+            probs=probs[i].flatten().tolist(), counts=counts[i].flatten().tolist(), embedding=emb[i].tolist(),
+        )
+        for i, rid in enumerate(ctx.request_ids)
+    ]
+
+
+class PredictorLink:
+    def __init__(
+        self,
+        broker_factory: Callable[[], Broker],
+        engine_id: str,
+        shape: Shape,
+        hints: HintPrefetcher,
+        *,
+        predictor: str = "",
+        embedded: Callable[[Broker], object] | None = None,  # -> PredictorService to run in our thread
+        partial_layers: tuple[int, ...] = (0,),
+        queue_size: int = 64,
+        stream_maxlen: int = DEFAULT_STREAM_MAXLEN,
+        backoff_s: tuple[float, float] = (0.05, 2.0),
+    ) -> None:
+        self.broker_factory = broker_factory
+        self.engine_id = engine_id
+        self.shape = shape
+        self.hints = hints
+        self.predictor = predictor
+        self.embedded = embedded
+        self.partial_layers = set(partial_layers)
+        self.queue_size = queue_size
+        self.stream_maxlen = stream_maxlen
+        self.backoff_s = backoff_s
+        self.connected = False
+        self.service = None  # the embedded PredictorService, once running
+        self.counts = {"published": 0, "dropped": 0, "hint_batches": 0, "reconnects": 0, "invalid": 0}  # link thread
+        self.dropped_in_loop = 0  # written by the decode loop only (no lost updates across threads)
+        self._queue: deque[tuple[int, StepContext, int]] = deque()
+        self._latencies: deque[float] = deque(maxlen=_LATENCY_WINDOW)
+        self._lat_lock = threading.Lock()
+        self._last_hint = 0.0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._stop: asyncio.Event | None = None
+        self._closing = False
+        self._thread = threading.Thread(target=self._thread_main, name=f"predictor-link-{engine_id}", daemon=True)
+        hints.layer_observers.append(self.observe_layer)
+        hints.step_observers.append(self.observe)
+
+    # ---- the decode loop's side: enqueue only ----
+    def observe(self, ctx: StepContext) -> None:
+        """Step observer: the step's finished iterations."""
+        self._enqueue(ctx, self.shape.num_layers)
+
+    def observe_layer(self, layer: int, ctx: StepContext) -> None:
+        """After `layer`'s router: publish a partial context at the configured layers."""
+        if layer in self.partial_layers:
+            self._enqueue(ctx, layer + 1)
+
+    def _enqueue(self, ctx: StepContext, layers_seen: int) -> None:
+        loop = self._loop
+        if not self.connected or loop is None or len(self._queue) >= self.queue_size:
+            self.dropped_in_loop += len(ctx.request_ids)
+            return
+        self._queue.append((time.time_ns(), ctx, layers_seen))
+        try:
+            loop.call_soon_threadsafe(self._wake.set)  # type: ignore[union-attr]
+        except RuntimeError:  # the loop closed under us (shutdown)
+            pass
+
+    # ---- lifecycle ----
+    def start(self) -> PredictorLink:
+        self._thread.start()
+        return self
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._closing = True
+        loop, stop = self._loop, self._stop
+        if loop is not None and stop is not None:
+            try:
+                loop.call_soon_threadsafe(stop.set)
+            except RuntimeError:
+                pass
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _thread_main(self) -> None:
+        asyncio.run(self._main())
+
+    async def _main(self) -> None:
+        self._wake, self._stop = asyncio.Event(), asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        if self._closing:
+            return
+        broker = self.broker_factory()
+        service_task = None
+        if self.embedded is not None:
+            self.service = self.embedded(broker)
+            service_task = asyncio.create_task(self.service.run())  # type: ignore[attr-defined]
+        delay, first = self.backoff_s[0], True
+        try:
+            while not self._stop.is_set():
+                try:
+                    await self._connected_session(broker, first)
+                    first = False
+                    delay = self.backoff_s[0]
+                except BrokerUnavailable as exc:
+                    self._set_connected(False, str(exc))
+                except Exception as exc:  # a bug must not kill the link: log it, reconnect
+                    log.exception("predictor link failed")
+                    self._set_connected(False, repr(exc))
+                if self._stop.is_set():
+                    break
+                try:
+                    await asyncio.wait_for(self._stop.wait(), delay)
+                except asyncio.TimeoutError:
+                    pass
+                delay = min(delay * 2, self.backoff_s[1])
+        finally:
+            self._set_connected(False, "closed", quiet=True)
+            if service_task is not None:
+                self.service.stop()  # type: ignore[union-attr]
+                await asyncio.gather(service_task, return_exceptions=True)
+            await broker.close()
+
+    async def _connected_session(self, broker: Broker, first: bool) -> None:
+        await broker.ping()
+        sub = await broker.subscribe(hint_channel(self.engine_id))
+        try:
+            self.counts["reconnects"] += 0 if first else 1
+            self._set_connected(True)
+            tasks = [
+                asyncio.create_task(self._publish_loop(broker)),
+                asyncio.create_task(self._receive_loop(sub)),
+                asyncio.create_task(self._stop.wait()),  # type: ignore[union-attr]
+            ]
+            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            for task in done:
+                if task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+        finally:
+            await sub.close()
+
+    def _set_connected(self, up: bool, reason: str = "", quiet: bool = False) -> None:
+        if up != self.connected and not quiet:  # each state change logged once, not every retry
+            if up:
+                log.info("predictor link %s connected to %s", self.engine_id, self.predictor_url)
+            else:
+                log.warning(
+                    "predictor link %s lost %s (%s): serving with local prefetchers, reconnecting",
+                    self.engine_id, self.predictor_url, reason,
+                )
+        self.connected = up
+        if not up:  # contexts queued for a dead broker would be stale by the time it returns
+            self.counts["dropped"] += sum(len(ctx.request_ids) for _, ctx, _ in self._queue)
+            self._queue.clear()
+
+    @property
+    def predictor_url(self) -> str:
+        return "the embedded predictor" if self.embedded is not None else "the broker"
+
+    # ---- the link thread's side ----
+    async def _publish_loop(self, broker: Broker) -> None:
+        while True:
+            await self._wake.wait()  # type: ignore[union-attr]
+            self._wake.clear()  # type: ignore[union-attr]
+            while self._queue:
+                sent_ns, ctx, layers_seen = self._queue[0]
+                batch = pb.ContextBatch(
+                    engine_id=self.engine_id, shape=self.shape.to_pb(), sent_unix_ns=sent_ns,
+                    step=ctx.step_index, contexts=encode_step(ctx, layers_seen, self.shape), predictor=self.predictor,
+                )
+                await broker.stream_append(CONTEXT_STREAM, batch.SerializeToString(), self.stream_maxlen)
+                self._queue.popleft()  # only once sent: a failure counts it as dropped
+                self.counts["published"] += len(ctx.request_ids)
+
+    async def _receive_loop(self, sub) -> None:
+        while True:
+            data = await sub.get(timeout=1.0)
+            if data is None:
+                continue
+            try:
+                batch = pb.HintBatch.FromString(data)
+            except DecodeError:
+                self.counts["invalid"] += 1
+                continue
+            with self._lat_lock:
+                self._latencies.append((time.time_ns() - batch.ctx_sent_unix_ns) / 1e6)
+            self.counts["hint_batches"] += 1
+            self._last_hint = time.monotonic()
+            self.hints.submit(batch.hints)
+
+    # ---- stats ----
+    def latencies_ms(self) -> list[float]:
+        with self._lat_lock:
+            return list(self._latencies)
+
+    def engine_stats(self) -> dict[str, float]:
+        lat = sorted(self.latencies_ms())
+        out = {
+            "predictor_link_connected": 1.0 if self.connected else 0.0,
+            "predictor_contexts_published_total": float(self.counts["published"]),
+            "predictor_contexts_dropped_total": float(self.counts["dropped"] + self.dropped_in_loop),
+            "predictor_hint_batches_received_total": float(self.counts["hint_batches"]),
+            "predictor_link_reconnects_total": float(self.counts["reconnects"]),
+            "predictor_hint_age_seconds": time.monotonic() - self._last_hint if self._last_hint else -1.0,
+        }
+        for q in (0.5, 0.99):
+            value = lat[min(len(lat) - 1, int(q * len(lat)))] if lat else 0.0
+            out[f'predictor_hint_latency_ms{{quantile="{q}"}}'] = value
+        return out
+
+
+
+def build_hint_prefetcher(
+    config: EngineConfig, spec: ModelSpec, predictor: str, near: int, stats: OffloadStats | None
+) -> HintPrefetcher:
+    """The "hints" prefetcher of an offload policy, fed by a predictor link unless the predictor is none.
+
+    Hints serve the layers more than `near` hops ahead; contexts are published after the first MoE layer
+    (its routing sharpens the far-layer guesses) and at the end of every step."""
+    hints = HintPrefetcher(spec.moe_layers, stats, min_hops=near + 1)
+    name = config.predictor or predictor
+    if not name or name == "none":
+        return hints
+    shape = Shape(
+        os.path.basename(os.path.normpath(config.model)), spec.num_layers, spec.num_experts, spec.top_k,
+        spec.hidden_size,
+    )
+    first_moe = spec.moe_layers.index(True)
+    attach_predictor_link(hints, shape, name, config.redis_url, config.engine_id, partial_layers=(first_moe,))
+    return hints
+
+
+def attach_predictor_link(
+    hints: HintPrefetcher, shape: Shape, predictor: str, redis_url: str | None, engine_id: str | None,
+    partial_layers: tuple[int, ...] = (0,),
+) -> PredictorLink | None:
+    """Feeds `hints` from the predictor: over Redis when `redis_url` is set, else from an embedded service
+    on an in-process broker. Returns the started link, or None when no predictor can run here."""
+    from services.common.broker import check_broker_url, make_broker
+
+    engine_id = engine_id or default_engine_id()
+    embedded = None
+    if redis_url:
+        check_broker_url(redis_url)  # a bad URL fails at start-up, not in the link thread
+
+        def factory() -> Broker:
+            return make_broker(redis_url)
+    else:
+        from services.common.inprocess_broker import InProcessBroker
+        from services.predictor.hub import PredictorHub, resolve_predictor
+        from services.predictor.service import PredictorService
+
+        try:
+            predictor_factory = resolve_predictor(predictor)
+        except (ValueError, ImportError) as exc:
+            log.warning("no embedded predictor (%s): serving with local prefetchers only", exc)
+            return None
+        shared = InProcessBroker()
+
+        def factory() -> Broker:
+            return shared
+
+        def embedded(broker: Broker) -> PredictorService:
+            return PredictorService(broker, PredictorHub(predictor_factory, predictor), consumer=engine_id)
+
+    link = PredictorLink(
+        factory, engine_id, shape, hints, predictor=predictor, embedded=embedded, partial_layers=partial_layers
+    )
+    if hasattr(hints.stats, "sources"):
+        hints.stats.sources.append(link.engine_stats)  # type: ignore[attr-defined]
+    hints.add_closer(link.close)
+    return link.start()
