@@ -63,7 +63,7 @@ def _offload(args: argparse.Namespace) -> int:
         raise ValueError("--new-tokens must be >= 2 and --repeats >= 1")
     run_offload_bench(
         args.model, policies, _fractions(args.cache), _numbers(args.link_ratio, float),
-        _numbers(args.batch, int), args.json, args.plot, args.new_tokens, args.repeats,
+        _numbers(args.batch, int), args.json, args.plot, args.new_tokens, args.repeats, args.device, args.link,
     )
     return 0
 
@@ -99,6 +99,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     offload.add_argument("--batch", default="1,4,16", help="concurrent requests, e.g. 1,4,16")
     offload.add_argument("--new-tokens", type=int, default=32)
     offload.add_argument("--repeats", type=int, default=1, help="runs per case; figures are medians")
+    offload.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    offload.add_argument("--link", default="emulated", choices=("emulated", "native"),
+                         help="native: the CUDA copy engine (the ratio is then ignored)")
     offload.add_argument("--json", default="bench/results/offload.json")
     offload.add_argument("--plot", default=None, help="PNG of TPOT per policy (default: next to --json)")
     offload.set_defaults(func=_offload)

@@ -98,6 +98,8 @@ def run_offload_bench(
     plot_path: str | None = None,
     new_tokens: int = 32,
     repeats: int = 1,
+    device: str = "cpu",
+    link: str = "emulated",
 ) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     rows: list[Row] = []
@@ -105,7 +107,7 @@ def run_offload_bench(
     cases = [(c, r, b) for c in caches for r in ratios for b in batches]
     progress = tqdm(total=len(cases) * len(policies) * repeats, desc="bench offload", unit="run")
     for cache, ratio, batch in cases:
-        reference = LLMEngine(EngineConfig(model=model_dir, max_num_seqs=max(batch, 1)))
+        reference = LLMEngine(EngineConfig(model=model_dir, max_num_seqs=max(batch, 1), device=device))
         prompts = prompt_ids(reference.tokenizer, batch)
         trace = RoutingTrace(reference.spec.num_layers)
         reference.runner.step_observers.append(trace)
@@ -119,6 +121,7 @@ def run_offload_bench(
                 engine = LLMEngine(EngineConfig(
                     model=model_dir, max_num_seqs=max(batch, 1), offload_policy=policy,
                     expert_cache_fraction=cache, link_ratio=ratio, routing_trace=trace_path,
+                    device=device, link=link,
                 ))
                 tokens, ttft, tpot, after_prefill = _run(engine, prompts, params)
                 samples.append(_row(policy, cache, ratio, batch, engine, tokens, expected, ttft, tpot,
@@ -128,7 +131,7 @@ def run_offload_bench(
             rows.append(_median_row(samples))
     progress.close()
     result = {**run_header(), "model": os.path.abspath(model_dir), "new_tokens": new_tokens,
-              "repeats": repeats, "rows": [asdict(r) for r in rows]}
+              "repeats": repeats, "device": device, "link": link, "rows": [asdict(r) for r in rows]}
     _report(result, rows, json_path, plot_path or os.path.splitext(json_path)[0] + ".png")
     return result
 
