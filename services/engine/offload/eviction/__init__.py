@@ -7,6 +7,7 @@ from services.engine.offload.eviction.belady import BeladyEviction
 from services.engine.offload.eviction.eam import EAMEviction
 from services.engine.offload.eviction.finemoe import FineMoEEviction
 from services.engine.offload.eviction.lfu import LFUEviction
+from services.engine.offload.eviction.lookahead import LookaheadEviction
 from services.engine.offload.eviction.lru import LRUEviction
 from services.engine.offload.eviction.static import StaticEviction
 
@@ -17,6 +18,7 @@ EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
     "eam": EAMEviction,
     "static": StaticEviction,
     "belady": BeladyEviction,
+    "lookahead": LookaheadEviction,
 }
 
 __all__ = ["EVICTION_POLICIES", "EvictionPolicy"]
