@@ -149,7 +149,7 @@ def test_belady_and_static() -> None:
 def test_lookahead_evicts_the_layer_needed_last() -> None:
     policy = EVICTION_POLICIES["lookahead"](4)
     policy.on_layer_routed(1, [0.7, 0.3, 0.0, 0.0], _ctx())
-    candidates = [(0, 0), (1, 0), (1, 1), (2, 0), (3, 0)]
+    candidates = [(0, 0), (1, 0), (1, 1), (3, 0)]  # layer 2 runs now: pinned, never a candidate
     # At layer 2: layer 1 was just computed, so it comes round last; within it, the less likely expert.
     assert policy.victim(candidates, _ctx(), 2) == (1, 1)
     assert policy.victim([(3, 0), (0, 0)], _ctx(), 2) == (0, 0)

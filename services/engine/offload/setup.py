@@ -76,6 +76,8 @@ def _trace(config: EngineConfig, policy_name: str) -> RoutingTrace:
 def make_eviction(name: str, config: EngineConfig, spec: ModelSpec, slots: int) -> EvictionPolicy:
     if name not in EVICTION_POLICIES:
         raise ValueError(f"unknown eviction policy {name!r}; choose from: {', '.join(EVICTION_POLICIES)}")
+    if name == "lookahead":
+        return EVICTION_POLICIES[name](spec.num_layers)  # type: ignore[call-arg]
     if name == "eam":
         return EVICTION_POLICIES[name](spec.num_layers, spec.num_experts)  # type: ignore[call-arg]
     if name == "belady":
