@@ -68,6 +68,31 @@ def _offload(args: argparse.Namespace) -> int:
     return 0
 
 
+def _online(args: argparse.Namespace) -> int:
+    from services.bench.online_bench import run_online_bench
+    from services.engine.offload.policies import POLICIES
+
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise FileNotFoundError(f"no model (config.json) in {args.model}")
+    policies = list(POLICIES) if args.policies == "all" else args.policies.split(",")
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; choose from: {', '.join(POLICIES)} or all")
+    slos = {k: float(v) for k, v in (item.split(":") for item in args.goodput)}
+    run_online_bench(args.model, policies, args.json, args.duration, args.speedup, args.max_context,
+                     _fractions(args.cache)[0], _numbers(args.link_ratio, float)[0], slos)
+    return 0
+
+
+def _all(args: argparse.Namespace) -> int:
+    from services.bench.suite import run_all
+
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise FileNotFoundError(f"no model (config.json) in {args.model}")
+    print(f"report: {run_all(args.model, args.out, args.quick)}")
+    return 0
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="run a benchmark")
     kinds = bench.add_subparsers(dest="bench", required=True)
@@ -105,3 +130,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     offload.add_argument("--json", default="bench/results/offload.json")
     offload.add_argument("--plot", default=None, help="PNG of TPOT per policy (default: next to --json)")
     offload.set_defaults(func=_offload)
+
+    online = kinds.add_parser("online", help="hintserve serve replaying the Azure conv trace, once per policy")
+    online.add_argument("--model", default="models/demo-moe")
+    online.add_argument("--policies", default="all")
+    online.add_argument("--duration", type=float, default=60.0, help="replayed seconds per policy")
+    online.add_argument("--speedup", type=float, default=0.05, help="trace time scale (what 2 cores can serve)")
+    online.add_argument("--max-context", type=int, default=256)
+    online.add_argument("--cache", default="25%")
+    online.add_argument("--link-ratio", default="30")
+    online.add_argument("--goodput", nargs="+", default=["ttft:2000", "tpot:200"], help="SLOs, e.g. ttft:2000")
+    online.add_argument("--json", default="bench/results/online.json")
+    online.set_defaults(func=_online)
+
+    suite = kinds.add_parser("all", help="every benchmark, then bench/results/REPORT.md")
+    suite.add_argument("--model", default="models/demo-moe")
+    suite.add_argument("--out", default="bench/results")
+    suite.add_argument("--quick", action="store_true", help="fewer cases and repeats")
+    suite.set_defaults(func=_all)

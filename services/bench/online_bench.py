@@ -1,0 +1,105 @@
+"""`hintserve bench online`: the all-in-one server replaying a slice of the Azure conv trace, once per policy.
+
+Each policy gets a fresh `hintserve serve` process on a loopback port; loadgen replays the same slice (same
+arrivals, lengths and prompts) against it and scores goodput at the stated SLOs. Policies that replay a
+recorded routing trace (oracle, belady) are left out: online batching is timing-dependent, so no earlier run
+is identical.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+from tqdm import tqdm
+
+from services.bench.report import bar_plot, markdown_table, run_header, write_json, write_markdown
+
+_TRACE_POLICIES = ("oracle", "belady")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode} before becoming ready")
+        try:
+            if httpx.get(f"{url}/ready", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)  # polling a child process's readiness, not synchronising threads
+    raise TimeoutError(f"server at {url} not ready after {timeout:.0f} s")
+
+
+def _serve(model: str, policy: str, port: int, cache: float, ratio: float) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "services.cli", "serve", "--model", model, "--port", str(port),
+           "--offload-policy", policy, "--expert-cache-fraction", str(cache), "--link-ratio", str(ratio)]
+    env = {**os.environ, "HINTSERVE_API_KEYS": ""}
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+
+
+def run_online_bench(
+    model: str,
+    policies: list[str],
+    json_path: str,
+    duration: float = 60.0,
+    speedup: float = 0.05,
+    max_context: int = 256,
+    cache: float = 0.25,
+    ratio: float = 30.0,
+    slos: dict[str, float] | None = None,
+) -> dict:
+    from loadgen.plot import plot_cdfs
+    from loadgen.replay import ReplayConfig, arun_replay
+
+    slos = slos or {"ttft": 2000.0, "tpot": 200.0}
+    runs: dict[str, dict] = {}
+    for policy in tqdm([p for p in policies if p not in _TRACE_POLICIES], desc="bench online", unit="policy"):
+        port = _free_port()
+        url = f"http://127.0.0.1:{port}"
+        proc = _serve(model, policy, port, cache, ratio)
+        try:
+            _wait_ready(url, proc)
+            cfg = ReplayConfig(url=url, model=os.path.basename(os.path.normpath(model)), trace="conv",
+                               speedup=speedup, duration=duration, max_context=max_context, goodput=dict(slos),
+                               tokenizer=model, seed=0, label=policy)
+            runs[policy] = asyncio.run(arun_replay(cfg))
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    rows = [
+        {"policy": p, "completed": r["completed"], "failed": r["failed"], "request_goodput": r["request_goodput"],
+         "request_throughput": r["request_throughput"], "output_throughput": r["output_throughput"],
+         "median_ttft_ms": r["median_ttft_ms"], "p99_ttft_ms": r["p99_ttft_ms"],
+         "median_tpot_ms": r["median_tpot_ms"], "p99_tpot_ms": r["p99_tpot_ms"]}
+        for p, r in runs.items()
+    ]
+    result = {**run_header(), "model": os.path.abspath(model), "trace": "conv", "speedup": speedup,
+              "duration_s": duration, "max_context": max_context, "cache_fraction": cache, "link_ratio": ratio,
+              "slos_ms": slos, "rows": rows}
+    table = markdown_table(
+        ("policy", "done", "failed", "goodput req/s", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms",
+         "TPOT p50 ms", "TPOT p99 ms"),
+        [tuple(r.values()) for r in rows],
+    )
+    table += f"\n\nSLOs: {', '.join(f'{k} <= {v:g} ms' for k, v in slos.items())}."
+    print(table)
+    write_json(json_path, result)
+    stem = os.path.splitext(json_path)[0]
+    write_markdown(stem + ".md", "Online serving: Azure conv replay", result, table)
+    plot_cdfs(runs, stem + "_cdf.png", slos=slos, title="Azure conv replay")
+    bar_plot(stem + ".png", "Goodput by policy (req/s)", [r["policy"] for r in rows],
+             {"goodput": [r["request_goodput"] for r in rows]}, "requests/s meeting SLOs")
+    return result
