@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import redis.asyncio as redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -16,19 +18,28 @@ _FIELD = b"d"  # one field per entry: the protobuf payload
 
 
 class _RedisSubscription(Subscription):
-    def __init__(self, pubsub: redis.client.PubSub) -> None:
+    def __init__(self, client: redis.Redis, pubsub: redis.client.PubSub) -> None:
+        self._client = client  # its own client: closing the subscription closes exactly its connection
         self._pubsub = pubsub
 
     async def get(self, timeout: float | None = None) -> bytes | None:
-        try:
-            msg = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=timeout)
-        except _DOWN as exc:
-            raise BrokerUnavailable(f"redis pub-sub: {exc}") from exc
-        return None if msg is None else msg["data"]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                msg = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=left)
+            except _DOWN as exc:
+                raise BrokerUnavailable(f"redis pub-sub: {exc}") from exc
+            if msg is not None and msg.get("type") == "message":
+                return msg["data"]
+            # None is also what a (skipped) subscribe confirmation gives: wait on unless time is up.
+            if left is not None and left <= 0 or deadline is not None and time.monotonic() >= deadline:
+                return None
 
     async def close(self) -> None:
         try:
             await self._pubsub.aclose()
+            await self._client.aclose()
         except _DOWN:
             pass  # the connection is gone already
 
@@ -36,15 +47,18 @@ class _RedisSubscription(Subscription):
 class RedisBroker(Broker):
     def __init__(self, url: str, connect_timeout_s: float = 0.5, socket_timeout_s: float = 5.0) -> None:
         self.url = url
-        # No client-side retries: callers own the backoff, and a retry loop here would hide outages for
-        # seconds. socket_timeout must exceed the longest XREADGROUP BLOCK we issue (1 s).
-        self._client = redis.Redis.from_url(
-            url,
+        self._options = dict(
+            # No client-side retries: callers own the backoff, and a retry loop here would hide outages
+            # for seconds. socket_timeout must exceed the longest XREADGROUP BLOCK we issue (1 s).
             socket_connect_timeout=connect_timeout_s,
             socket_timeout=socket_timeout_s,
             retry=Retry(NoBackoff(), 0),
             health_check_interval=0,
         )
+        # One pool per role: blocking reads and pub-sub connections never share a pool with the short
+        # commands (closing a pub-sub connection there has been seen to strand a concurrent blocked read).
+        self._client = redis.Redis.from_url(url, **self._options)
+        self._reader = redis.Redis.from_url(url, **self._options)
 
     async def ping(self) -> None:
         try:
@@ -59,13 +73,14 @@ class RedisBroker(Broker):
             raise BrokerUnavailable(f"redis {self.url}: {exc}") from exc
 
     async def subscribe(self, channel: str) -> Subscription:
-        pubsub = self._client.pubsub(ignore_subscribe_messages=True)
+        client = redis.Redis.from_url(self.url, **self._options)
+        sub = _RedisSubscription(client, client.pubsub(ignore_subscribe_messages=True))
         try:
-            await pubsub.subscribe(channel)
+            await sub._pubsub.subscribe(channel)
         except _DOWN as exc:
-            await _RedisSubscription(pubsub).close()
+            await sub.close()
             raise BrokerUnavailable(f"redis {self.url}: {exc}") from exc
-        return _RedisSubscription(pubsub)
+        return sub
 
     async def stream_append(self, stream: str, data: bytes, maxlen: int = DEFAULT_STREAM_MAXLEN) -> str:
         try:
@@ -90,7 +105,7 @@ class RedisBroker(Broker):
     ) -> list[tuple[str, bytes]]:
         for attempt in range(2):
             try:
-                reply = await self._client.xreadgroup(
+                reply = await self._reader.xreadgroup(
                     group, consumer, {stream: "0" if pending else ">"}, count=count,
                     block=None if pending else block_ms,
                 )
@@ -130,7 +145,8 @@ class RedisBroker(Broker):
             raise BrokerUnavailable(f"redis {self.url}: {exc}") from exc
 
     async def close(self) -> None:
-        try:
-            await self._client.aclose()
-        except _DOWN:
-            pass
+        for client in (self._client, self._reader):
+            try:
+                await client.aclose()
+            except _DOWN:
+                pass

@@ -124,6 +124,7 @@ class PredictorLink:
         self._wake: asyncio.Event | None = None
         self._stop: asyncio.Event | None = None
         self._closing = False
+        self._ending = False  # the current connected session is winding down
         self._thread = threading.Thread(target=self._thread_main, name=f"predictor-link-{engine_id}", daemon=True)
         hints.layer_observers.append(self.observe_layer)
         hints.step_observers.append(self.observe)
@@ -210,17 +211,20 @@ class PredictorLink:
         try:
             self.counts["reconnects"] += 0 if first else 1
             self._set_connected(True)
-            tasks = [
-                asyncio.create_task(self._publish_loop(broker)),
-                asyncio.create_task(self._receive_loop(sub)),
-                asyncio.create_task(self._stop.wait()),  # type: ignore[union-attr]
-            ]
-            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            for task in pending:
+            self._ending = False
+            loops = [asyncio.create_task(self._publish_loop(broker)), asyncio.create_task(self._receive_loop(sub))]
+            stop = asyncio.create_task(self._stop.wait())  # type: ignore[union-attr]
+            done, _ = await asyncio.wait([*loops, stop], return_when=asyncio.FIRST_COMPLETED)
+            # Both loops notice `_ending` within one short read; cancelling a blocked redis-py read instead
+            # can strand it, so cancelling is only the fallback.
+            self._ending = True
+            self._wake.set()  # type: ignore[union-attr]
+            await asyncio.wait(loops, timeout=2.0)
+            for task in [*loops, stop]:
                 task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-            for task in done:
-                if task.exception() is not None:
+            await asyncio.gather(*loops, stop, return_exceptions=True)
+            for task in loops:
+                if not task.cancelled() and task.exception() is not None:
                     raise task.exception()  # type: ignore[misc]
         finally:
             await sub.close()
@@ -245,10 +249,10 @@ class PredictorLink:
 
     # ---- the link thread's side ----
     async def _publish_loop(self, broker: Broker) -> None:
-        while True:
+        while not self._ending:
             await self._wake.wait()  # type: ignore[union-attr]
             self._wake.clear()  # type: ignore[union-attr]
-            while self._queue:
+            while self._queue and not self._ending:
                 sent_ns, ctx, layers_seen = self._queue[0]
                 batch = pb.ContextBatch(
                     engine_id=self.engine_id, shape=self.shape.to_pb(), sent_unix_ns=sent_ns,
@@ -259,8 +263,8 @@ class PredictorLink:
                 self.counts["published"] += len(ctx.request_ids)
 
     async def _receive_loop(self, sub) -> None:
-        while True:
-            data = await sub.get(timeout=1.0)
+        while not self._ending:
+            data = await sub.get(timeout=0.25)
             if data is None:
                 continue
             try:

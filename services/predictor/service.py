@@ -10,6 +10,7 @@ exponential backoff; state changes are logged once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -102,11 +103,15 @@ class PredictorService:
     # ---- lifecycle ----
     async def run(self) -> None:
         """Until `stop()`: consume, and snapshot every `snapshot_interval_s`; a final snapshot on exit."""
-        tasks = [asyncio.create_task(self._consume_forever(), name="predictor-consume")]
+        consume = asyncio.create_task(self._consume_forever(), name="predictor-consume")
+        tasks = [consume]
         if self.snapshotter is not None and self.snapshot_interval_s > 0:
             tasks.append(asyncio.create_task(self._snapshot_periodically(), name="predictor-snapshots"))
         try:
             await self._stop.wait()
+            # The consume loop sees the stop within one blocking read; cancelling a blocked redis-py read
+            # instead can strand it (observed with redis-py 8), so cancelling is only the fallback.
+            await asyncio.wait([consume], timeout=2.0)
         finally:
             for task in tasks:
                 task.cancel()
@@ -132,7 +137,7 @@ class PredictorService:
     # ---- the stream ----
     async def _consume_forever(self) -> None:
         delay = self.backoff_s[0]
-        while True:
+        while not self._stop.is_set():
             try:
                 # "0": a new group also reads what engines appended before the predictor first started
                 # (observed for learning; too old to answer).
@@ -141,12 +146,13 @@ class PredictorService:
                 self.ready.set()
                 await self._consume(pending=True)  # what a previous run of this consumer left unacknowledged
                 delay = self.backoff_s[0]
-                while True:
+                while not self._stop.is_set():
                     await self._consume(pending=False)
             except BrokerUnavailable as exc:
                 self._set_connected(False, str(exc))
                 self.counters["broker_errors_total"] += 1
-                await asyncio.sleep(delay)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), delay)
                 delay = min(delay * 2, self.backoff_s[1])
 
     async def _consume(self, pending: bool) -> None:
@@ -161,7 +167,7 @@ class PredictorService:
             # Acknowledge after the hints went out: the ack is off the latency path, and a crash before it
             # means the entries are redone (observed twice at worst), never lost.
             await self.broker.stream_ack(self.stream, self.group, [entry_id for entry_id, _ in entries])
-            if not pending:
+            if not pending or self._stop.is_set():
                 return
 
     async def _process(self, data: bytes) -> None:

@@ -124,3 +124,19 @@ async def _serve(args: argparse.Namespace, url: str, factory: Any) -> None:
             await server.stop(grace=1.0)
         metrics.close()
         await broker.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m services.predictor.service_cli ...`: the service without loading the engine's CLI (torch)."""
+    parser = argparse.ArgumentParser(prog="hintserve predictor")
+    add_service_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run_service(args)
+    except ValueError as exc:
+        print(f"hintserve predictor: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
