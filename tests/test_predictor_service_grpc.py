@@ -27,7 +27,14 @@ from services.predictor.messages import Shape, from_context
 from services.predictor.server import serve_predictor
 from services.predictor.service import PredictorService
 from services.predictor.snapshots import Snapshotter, loads
-from tests.test_predictor_service import REDIS_URL, SHAPE, CountingPredictor, batch, counting_factory, iteration
+from tests.test_predictor_service import (
+    REDIS_URL,
+    SHAPE,
+    CountingPredictor,
+    batch,
+    counting_factory,
+    iteration,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 

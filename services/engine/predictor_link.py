@@ -114,7 +114,7 @@ class PredictorLink:
         self.backoff_s = backoff_s
         self.connected = False
         self.service = None  # the embedded PredictorService, once running
-        self.counts = {"published": 0, "dropped": 0, "hint_batches": 0, "reconnects": 0, "invalid": 0}  # link thread
+        self.counts = {"published": 0, "dropped": 0, "hint_batches": 0, "sessions": 0, "invalid": 0}  # link thread
         self.dropped_in_loop = 0  # written by the decode loop only (no lost updates across threads)
         self._queue: deque[tuple[int, StepContext, int]] = deque()
         self._latencies: deque[float] = deque(maxlen=_LATENCY_WINDOW)
@@ -179,12 +179,11 @@ class PredictorLink:
         if self.embedded is not None:
             self.service = self.embedded(broker)
             service_task = asyncio.create_task(self.service.run())  # type: ignore[attr-defined]
-        delay, first = self.backoff_s[0], True
+        delay = self.backoff_s[0]
         try:
             while not self._stop.is_set():
                 try:
-                    await self._connected_session(broker, first)
-                    first = False
+                    await self._connected_session(broker)
                     delay = self.backoff_s[0]
                 except BrokerUnavailable as exc:
                     self._set_connected(False, str(exc))
@@ -205,11 +204,11 @@ class PredictorLink:
                 await asyncio.gather(service_task, return_exceptions=True)
             await broker.close()
 
-    async def _connected_session(self, broker: Broker, first: bool) -> None:
+    async def _connected_session(self, broker: Broker) -> None:
         await broker.ping()
         sub = await broker.subscribe(hint_channel(self.engine_id))
         try:
-            self.counts["reconnects"] += 0 if first else 1
+            self.counts["sessions"] += 1
             self._set_connected(True)
             self._ending = False
             loops = [asyncio.create_task(self._publish_loop(broker)), asyncio.create_task(self._receive_loop(sub))]
@@ -290,7 +289,7 @@ class PredictorLink:
             "predictor_contexts_published_total": float(self.counts["published"]),
             "predictor_contexts_dropped_total": float(self.counts["dropped"] + self.dropped_in_loop),
             "predictor_hint_batches_received_total": float(self.counts["hint_batches"]),
-            "predictor_link_reconnects_total": float(self.counts["reconnects"]),
+            "predictor_link_reconnects_total": float(max(0, self.counts["sessions"] - 1)),
             "predictor_hint_age_seconds": time.monotonic() - self._last_hint if self._last_hint else -1.0,
         }
         for q in (0.5, 0.99):

@@ -82,6 +82,7 @@ class PredictorService:
         backoff_s: tuple[float, float] = (0.05, 2.0),
         read_count: int = 64,
         engines: set[str] | None = None,
+        start: str = "0",
     ) -> None:
         self.broker = broker
         self.hub = hub
@@ -95,6 +96,9 @@ class PredictorService:
         self.backoff_s = backoff_s
         self.read_count = read_count
         self.engines = engines  # answer only these engines (None: all)
+        # Where a new group starts: "0" also reads what engines appended before the predictor first
+        # started (observed for learning; too old to answer); "$" only what comes next.
+        self.start = start
         self.counters: Counter[str] = Counter()
         self.connected = False
         self.ready = asyncio.Event()  # set once the consumer group exists (tests synchronise on it)
@@ -139,9 +143,7 @@ class PredictorService:
         delay = self.backoff_s[0]
         while not self._stop.is_set():
             try:
-                # "0": a new group also reads what engines appended before the predictor first started
-                # (observed for learning; too old to answer).
-                await self.broker.ensure_group(self.stream, self.group, start="0")
+                await self.broker.ensure_group(self.stream, self.group, start=self.start)
                 self._set_connected(True)
                 self.ready.set()
                 await self._consume(pending=True)  # what a previous run of this consumer left unacknowledged
