@@ -12,6 +12,7 @@ _COMMAND_MODULES = (
     "services.engine.demo_model.cli",
     "services.gateway.cli",
     "services.bench.cli",
+    "services.predictor.cli",  # trace collect; predictor train / eval / bench-search
     "services.predictor.service_cli",  # last: extends a `predictor` group registered before it
 )
 

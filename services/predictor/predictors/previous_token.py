@@ -1,0 +1,20 @@
+"""Baseline: the experts the previous iteration of this request used at the target layer (request reuse)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from services.predictor.context import PredictionQuery
+from services.predictor.predictors.base import Predictor
+from services.predictor.predictors.common import row_normalise
+
+
+class PreviousTokenPredictor(Predictor):
+    name = "previous-token"
+
+    def predict(self, query: PredictionQuery) -> np.ndarray:
+        if not query.history:
+            return np.full(self.num_experts, 1.0 / self.num_experts, np.float32)
+        prev = query.history[-1]
+        # The selected experts first; the previous router distribution orders the rest (recall at budget > k).
+        return 0.9 * row_normalise(prev.counts[query.target_layer]) + 0.1 * row_normalise(prev.probs[query.target_layer])

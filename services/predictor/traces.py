@@ -1,0 +1,256 @@
+"""Routing traces: record them from our engine, save/load our compact format, load any supported trace.
+
+On disk a trace is a directory with `index.json` (model shape, layer ids, one entry per request) and
+`trace.npz` (all iterations concatenated: probs [N,L,E] f32, counts [N,L,E] u16, embedding [N,H] f16,
+iteration/num_tokens/request index [N]). With `--layer-inputs` it also holds every token's residual stream
+entering each MoE block ([T,L,H] f16) and its selected experts ([T,L,k] u8), with per-iteration token
+offsets, for the learned gate and the skip-gate. `load_traces(path)` reads this format or any real routing
+trace the loaders in `trace_loaders.py` understand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from services.predictor.context import IterationContext, RequestTrace
+
+FORMAT = "hintserve-trace-v1"
+
+
+@dataclass
+class TracedIteration(IterationContext):
+    """An iteration with (optionally) every token's MoE-block inputs and selected experts."""
+
+    layer_inputs: np.ndarray | None = None  # [tokens, layers, hidden] float16
+    token_experts: np.ndarray | None = None  # [tokens, layers, top_k] uint8
+
+
+@dataclass
+class TraceSet:
+    requests: list[RequestTrace]
+    num_layers: int
+    num_experts: int
+    top_k: int
+    layer_ids: list[int] = field(default_factory=list)  # model layer index of each traced layer
+    source: str = ""
+    model: str = ""  # model directory, when recorded by our engine (the skip-gate needs its weights)
+    notes: str = ""
+
+    @property
+    def num_iterations(self) -> int:
+        return sum(len(r.iterations) for r in self.requests)
+
+    @property
+    def has_layer_inputs(self) -> bool:
+        return any(getattr(it, "layer_inputs", None) is not None for r in self.requests for it in r.iterations)
+
+    def subset(self, requests: list[RequestTrace]) -> TraceSet:
+        return TraceSet(requests, self.num_layers, self.num_experts, self.top_k, self.layer_ids, self.source,
+                        self.model, self.notes)
+
+
+def iteration_from_routing(request_id: str, iteration: int, experts: np.ndarray, weights: np.ndarray,
+                           num_experts: int, embedding: np.ndarray | None = None) -> IterationContext:
+    """One decode token from top-k routing ([layers, k] ids and weights): probs row = weights in an E-vector."""
+    layers = experts.shape[0]
+    probs = np.zeros((layers, num_experts), np.float32)
+    counts = np.zeros((layers, num_experts), np.float32)
+    rows = np.arange(layers)[:, None]
+    probs[rows, experts] = weights
+    counts[rows, experts] = 1.0
+    emb = np.zeros(0, np.float32) if embedding is None else embedding
+    return IterationContext(request_id, iteration, probs, counts, emb)
+
+
+def save_traces(trace: TraceSet, out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    its = [it for r in trace.requests for it in r.iterations]
+    if not its:
+        raise ValueError("no iterations to save")
+    arrays: dict[str, np.ndarray] = {
+        "probs": np.stack([it.probs for it in its]).astype(np.float32),
+        "counts": np.stack([it.counts for it in its]).astype(np.uint16),
+        "embedding": np.stack([it.embedding for it in its]).astype(np.float16),
+        "iteration": np.array([it.iteration for it in its], np.int32),
+        "num_tokens": np.array([it.num_tokens for it in its], np.int32),
+        "request": np.repeat(np.arange(len(trace.requests)), [len(r.iterations) for r in trace.requests]),
+    }
+    if trace.has_layer_inputs:
+        sizes = [0 if getattr(it, "layer_inputs", None) is None else len(it.layer_inputs) for it in its]
+        arrays["token_offsets"] = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        arrays["layer_inputs"] = np.concatenate([it.layer_inputs for it in its if it.layer_inputs is not None])
+        arrays["token_experts"] = np.concatenate([it.token_experts for it in its if it.token_experts is not None])
+    np.savez(os.path.join(out_dir, "trace.npz"), **arrays)
+    index = {
+        "format": FORMAT,
+        "model": trace.model,
+        "source": trace.source,
+        "notes": trace.notes,
+        "num_layers": trace.num_layers,
+        "num_experts": trace.num_experts,
+        "top_k": trace.top_k,
+        "layer_ids": list(trace.layer_ids),
+        "hidden_size": int(arrays["embedding"].shape[1]),
+        "num_iterations": len(its),
+        "requests": [{"id": r.request_id, "source": r.source, "iterations": len(r.iterations)}
+                     for r in trace.requests],
+    }
+    with open(os.path.join(out_dir, "index.json"), "w") as f:
+        json.dump(index, f, indent=1)
+
+
+def load_hintserve_trace(path: str) -> TraceSet:
+    with open(os.path.join(path, "index.json")) as f:
+        index = json.load(f)
+    if index.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a {FORMAT} trace (format {index.get('format')!r})")
+    data = np.load(os.path.join(path, "trace.npz"))
+    probs, counts, emb = data["probs"], data["counts"].astype(np.float32), data["embedding"].astype(np.float32)
+    iteration, num_tokens, req = data["iteration"], data["num_tokens"], data["request"]
+    offsets = data["token_offsets"] if "token_offsets" in data else None
+    inputs = data["layer_inputs"] if offsets is not None else None
+    experts = data["token_experts"] if offsets is not None else None
+    requests = [RequestTrace(r["id"], [], r.get("source", "")) for r in index["requests"]]
+    for n in range(len(probs)):
+        request = requests[int(req[n])]
+        it = TracedIteration(request.request_id, int(iteration[n]), probs[n], counts[n], emb[n],
+                             num_tokens=int(num_tokens[n]))
+        if offsets is not None and offsets[n + 1] > offsets[n]:
+            it.layer_inputs = inputs[offsets[n]:offsets[n + 1]]  # type: ignore[index]
+            it.token_experts = experts[offsets[n]:offsets[n + 1]]  # type: ignore[index]
+        request.iterations.append(it)
+    return TraceSet(requests, index["num_layers"], index["num_experts"], index["top_k"], index["layer_ids"],
+                    index.get("source", path), index.get("model", ""), index.get("notes", ""))
+
+
+def load_traces(path: str) -> TraceSet:
+    """Our trace directory, or any real routing trace file/directory (format detected from the content)."""
+    from services.predictor.trace_loaders import load_routing_file
+
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"trace not found: {path}")
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "index.json")):
+        return load_hintserve_trace(path)
+    return load_routing_file(path)
+
+
+def merge_traces(traces: list[TraceSet]) -> TraceSet:
+    """Several traces of the same model shape as one (request ids prefixed when they collide)."""
+    first = traces[0]
+    for t in traces[1:]:
+        if (t.num_layers, t.num_experts, t.top_k) != (first.num_layers, first.num_experts, first.top_k):
+            raise ValueError(f"cannot merge traces of shapes {(first.num_layers, first.num_experts, first.top_k)}"
+                             f" and {(t.num_layers, t.num_experts, t.top_k)} (layers, experts, top_k)")
+    seen: set[str] = set()
+    requests: list[RequestTrace] = []
+    for i, t in enumerate(traces):
+        for r in t.requests:
+            if r.request_id in seen:
+                r = RequestTrace(f"{i}:{r.request_id}", r.iterations, r.source)
+            seen.add(r.request_id)
+            requests.append(r)
+    return TraceSet(requests, first.num_layers, first.num_experts, first.top_k, first.layer_ids,
+                    "+".join(t.source for t in traces), first.model, first.notes)
+
+
+# ---- recording from our engine ------------------------------------------------------------------
+
+
+class TraceRecorder:
+    """Engine step observer: one TracedIteration per (request, iteration) from each step's context."""
+
+    def __init__(self, num_experts: int, keep_layer_inputs: bool = False) -> None:
+        self.num_experts = num_experts
+        self.keep_layer_inputs = keep_layer_inputs
+        self.iterations: dict[str, dict[int, TracedIteration]] = {}
+        self.layer_ids: list[int] = []
+
+    def __call__(self, ctx) -> None:  # ctx: services.engine.step_context.StepContext
+        import torch
+
+        layers = sorted(ctx.router_probs)
+        self.layer_ids = layers
+        E, L = self.num_experts, len(layers)
+        probs = torch.stack([ctx.router_probs[lay] for lay in layers], 1).float().cpu().numpy()  # [T, L, E]
+        selected = torch.stack([ctx.selected_experts[lay] for lay in layers], 1).cpu().numpy()  # [T, L, k]
+        emb = ctx.embeddings.float().cpu().numpy()
+        inputs = None
+        if self.keep_layer_inputs:
+            inputs = torch.stack([ctx.layer_inputs[lay] for lay in layers], 1).to(torch.float16).cpu().numpy()
+        flat_ids = selected + (np.arange(L) * E)[None, :, None]  # expert id -> layer*E + expert
+        start = 0
+        for rid, n, iteration in zip(ctx.request_ids, ctx.seq_lens, ctx.iterations):
+            s = slice(start, start + n)
+            start += n
+            counts = np.bincount(flat_ids[s].ravel(), minlength=L * E).reshape(L, E).astype(np.float32)
+            it = TracedIteration(rid, int(iteration), probs[s].mean(0), counts, emb[s].mean(0), num_tokens=n)
+            if inputs is not None:
+                it.layer_inputs = inputs[s]
+                it.token_experts = selected[s].astype(np.uint8)
+            # A preempted request recomputes its prefix: the later record of an iteration replaces the earlier.
+            self.iterations.setdefault(rid, {})[int(iteration)] = it
+
+    def requests(self, order: list[str]) -> list[RequestTrace]:
+        out = []
+        for rid in order:
+            its = self.iterations.get(rid, {})
+            out.append(RequestTrace(rid, [its[i] for i in sorted(its)], "engine"))
+        return out
+
+
+def read_prompts(path: str, limit: int | None = None) -> list[str]:
+    """Prompts from jsonl (GSM8K `question`, HumanEval `prompt`, or {"prompt": ...}) or a text file (one a line)."""
+    prompts: list[str] = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            line = line.rstrip("\n")
+            if not line.strip():
+                continue
+            if path.endswith(".jsonl") or line.lstrip().startswith("{"):
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+                text = record.get("prompt") or record.get("question") if isinstance(record, dict) else None
+                if not isinstance(text, str) or not text:
+                    raise ValueError(f"{path}:{n}: expected a 'prompt' or 'question' string field")
+                prompts.append(text)
+            else:
+                prompts.append(line)
+            if limit is not None and len(prompts) >= limit:
+                break
+    if not prompts:
+        raise ValueError(f"no prompts in {path}")
+    return prompts
+
+
+def collect_traces(model: str, prompts: list[str], max_tokens: int = 32, batch: int = 8,
+                   layer_inputs: bool = False, progress: bool = True) -> TraceSet:
+    """Greedy-decodes `prompts` with our engine (exactly max_tokens each) and records every iteration."""
+    from tqdm import tqdm
+
+    from services.engine.config import EngineConfig
+    from services.engine.llm_engine import LLMEngine
+    from services.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=model, max_num_seqs=batch))
+    try:
+        recorder = TraceRecorder(engine.spec.num_experts, layer_inputs)
+        engine.runner.step_observers.append(recorder)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        ids = [f"req-{i:04d}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts):
+            engine.add_request(rid, prompt, params)
+        with tqdm(total=len(prompts) * max_tokens, unit="tok", desc="trace collect", disable=not progress) as bar:
+            while engine.has_unfinished():
+                bar.update(len(engine.step()))
+        spec = engine.spec
+    finally:
+        engine.close()
+    return TraceSet(recorder.requests(ids), len(recorder.layer_ids), spec.num_experts, spec.top_k,
+                    recorder.layer_ids, source=f"engine:{os.path.basename(os.path.normpath(model))}",
+                    model=os.path.abspath(model), notes=f"greedy, {max_tokens} tokens per prompt, ignore_eos")
