@@ -227,7 +227,7 @@ def test_snapshot_encoding_round_trips_without_pickle() -> None:
 
 
 def test_select_experts_takes_the_fewest_covering_the_mass() -> None:
-    experts, probs, conf = select_experts(np.array([0.05, 0.6, 0.05, 0.3]), top_k=1, mass=0.85, max_experts=4)
-    assert experts.tolist() == [1, 3] and np.isclose(probs.sum(), 0.9) and np.isclose(conf, 0.6)
-    experts, _, _ = select_experts(np.ones(8), top_k=2, mass=0.9, max_experts=3)
-    assert len(experts) == 3  # capped
+    scores = np.array([[0.05, 0.6, 0.05, 0.3], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
+    experts, probs, conf = select_experts(scores, top_k=1, mass=0.85, max_experts=3)
+    assert experts[0] == [1, 3] and np.isclose(sum(probs[0]), 0.9) and np.isclose(conf[0], 0.6)
+    assert len(experts[1]) == 3 and len(experts[2]) == 3  # capped; all-zero scores count as uniform

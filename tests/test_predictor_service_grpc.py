@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import redis.asyncio as redis
 
-from services.common.broker import CONTEXT_STREAM, hint_channel, make_broker
+from services.common.broker import hint_channel, make_broker
 from services.common.inprocess_broker import InProcessBroker
 from services.common.protos import predictor_pb2 as pb
 from services.common.protos import predictor_pb2_grpc as pb_grpc
@@ -85,7 +85,7 @@ async def test_bad_input_gets_clear_status_codes(api) -> None:
     stub, _ = api
     await stub.Observe(iter([batch("e", [iteration("r1", 0)])]), timeout=5)
     wrong_probs = from_context(iteration("q", 1))
-    del wrong_probs.probs[-3:]
+    wrong_probs.probs = wrong_probs.probs[:-12]  # three floats short
     request = pb.SearchRequest(shape=SHAPE.to_pb(), context=wrong_probs)
     assert await _code(stub.Search(request, timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
     other_shape = Shape("tiny", 3, 6, 2, 4)  # the known model with another expert count
@@ -93,7 +93,7 @@ async def test_bad_input_gets_clear_status_codes(api) -> None:
     assert await _code(stub.Search(_search(target_layers=[7]), timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
     assert await _code(stub.Search(pb.SearchRequest(), timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
     bad_batch = batch("e", [iteration("r9", 0)])
-    bad_batch.contexts[0].embedding.append(1.0)
+    bad_batch.contexts[0].embedding += b"\x00\x00\x80?"  # one float too many
     assert await _code(stub.Observe(iter([bad_batch]), timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
     # The service holds at most two models: a third is refused.
     await stub.Observe(iter([batch("e", [iteration("r1", 0)], Shape("second", 3, 8, 2, 4))]), timeout=5)
@@ -133,13 +133,13 @@ async def test_snapshot_and_restore_rpcs(api) -> None:
     assert service.hub.models["tiny"].predictor.observed == 2
 
 
-def _start_cli(redis_url: str, snapshot_dir: Path, engine: str) -> tuple[subprocess.Popen, int]:
+def _start_cli(redis_url: str, snapshot_dir: Path, engine: str, stream: str) -> tuple[subprocess.Popen, int]:
     # The same flags and run function as `hintserve predictor`, without importing the engine CLI (torch).
     cmd = [
         sys.executable, "-m", "services.predictor.service_cli", "--redis-url", redis_url,
         "--predictor", "tests.test_predictor_service:CountingPredictor", "--engine-id", engine,
         "--snapshot-dir", str(snapshot_dir), "--snapshot-interval-s", "0", "--grpc-port", "0",
-        "--metrics-port", "0", "--consumer", "c1",
+        "--metrics-port", "0", "--consumer", "c1", "--stream", stream,
     ]
     proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     deadline = time.monotonic() + 30
@@ -160,12 +160,13 @@ async def test_standalone_service_snapshots_on_sigterm_and_restores(tmp_path) ->
         await broker.ping()
     except ConnectionError:
         pytest.skip("no Redis on 127.0.0.1:6379")
-    engine = f"sigterm-{uuid.uuid4().hex[:8]}"  # its own engine id: other runs' contexts are skipped
-    proc, port = _start_cli(REDIS_URL, tmp_path, engine)
+    engine = f"sigterm-{uuid.uuid4().hex[:8]}"
+    stream = f"test:ctx:{engine}"  # its own stream: no backlog from other runs, nothing left behind
+    proc, port = _start_cli(REDIS_URL, tmp_path, engine, stream)
     sub = await broker.subscribe(hint_channel(engine))
     try:
         for i in range(3):
-            await broker.stream_append(CONTEXT_STREAM, batch(engine, [iteration(f"r{i}", 0)]).SerializeToString())
+            await broker.stream_append(stream, batch(engine, [iteration(f"r{i}", 0)]).SerializeToString())
             assert pb.HintBatch.FromString(await sub.get(timeout=10)).engine_id == engine
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(proc.wait, 15) == 0
@@ -176,7 +177,7 @@ async def test_standalone_service_snapshots_on_sigterm_and_restores(tmp_path) ->
     meta, state = loads((tmp_path / "tiny.snapshot.npz").read_bytes())
     assert meta["shape"]["model"] == "tiny" and state["observed"] == 3
     # A new process restores the snapshot at start and answers Search from it.
-    proc, port = _start_cli(REDIS_URL, tmp_path, engine)
+    proc, port = _start_cli(REDIS_URL, tmp_path, engine, stream)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             found = await pb_grpc.PredictorStub(channel).Search(_search(target_layers=[0]), timeout=5)
@@ -185,7 +186,7 @@ async def test_standalone_service_snapshots_on_sigterm_and_restores(tmp_path) ->
     finally:
         proc.send_signal(signal.SIGTERM)
         await asyncio.to_thread(proc.wait, 15)
-        client = redis.Redis.from_url(REDIS_URL)  # leave no consumer group behind on the shared Redis
-        await client.xgroup_destroy(CONTEXT_STREAM, f"hintserve-predictor:{engine}")
+        client = redis.Redis.from_url(REDIS_URL)  # leave nothing behind on the shared Redis
+        await client.delete(stream)
         await client.aclose()
         await broker.close()

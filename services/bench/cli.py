@@ -93,6 +93,19 @@ def _all(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hints(args: argparse.Namespace) -> int:
+    from services.bench.hints_bench import run_hints_bench
+    from services.predictor.messages import Shape
+
+    shape = Shape("bench", args.layers, args.experts, args.top_k, args.hidden)
+    shape.validate()
+    if args.steps < 1 or args.interval_ms < 0 or args.horizon < 0:
+        raise ValueError("--steps must be >= 1, --interval-ms and --horizon >= 0")
+    run_hints_bench(args.redis_url, args.predictor, shape, _numbers(args.batch, int), args.steps,
+                    args.interval_ms, args.horizon, args.json)
+    return 0
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="run a benchmark")
     kinds = bench.add_subparsers(dest="bench", required=True)
@@ -142,6 +155,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     online.add_argument("--goodput", nargs="+", default=["ttft:2000", "tpot:200"], help="SLOs, e.g. ttft:2000")
     online.add_argument("--json", default="bench/results/online.json")
     online.set_defaults(func=_online)
+
+    hints = kinds.add_parser("hints", help="hint delivery latency engine -> predictor -> engine over Redis")
+    hints.add_argument("--redis-url", default="redis://127.0.0.1:6379")
+    hints.add_argument("--predictor", default="previous-token", help="the service's predictor")
+    hints.add_argument("--layers", type=int, default=32, help="model shape (default Mixtral-8x7B)")
+    hints.add_argument("--experts", type=int, default=8)
+    hints.add_argument("--top-k", type=int, default=2)
+    hints.add_argument("--hidden", type=int, default=4096)
+    hints.add_argument("--horizon", type=int, default=0, help="layers hinted per context (0: all)")
+    hints.add_argument("--batch", default="1,8", help="requests per step, e.g. 1,8")
+    hints.add_argument("--steps", type=int, default=1000, help="measured steps per batch size")
+    hints.add_argument("--interval-ms", type=float, default=5.0, help="decode step period")
+    hints.add_argument("--json", default="bench/results/hints.json")
+    hints.set_defaults(func=_hints)
 
     suite = kinds.add_parser("all", help="every benchmark, then bench/results/REPORT.md")
     suite.add_argument("--model", default="models/demo-moe")

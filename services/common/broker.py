@@ -21,7 +21,7 @@ from abc import ABC, abstractmethod
 CONTEXT_STREAM = "hintserve:ctx"
 HINT_CHANNEL_PREFIX = "hintserve:hints:"
 PREDICTOR_GROUP = "hintserve-predictor"
-DEFAULT_STREAM_MAXLEN = 10_000
+DEFAULT_STREAM_MAXLEN = 1_000  # a few seconds of steps: older contexts are stale, and a Mixtral batch of 8 is ~150 KB
 
 
 def hint_channel(engine_id: str) -> str:

@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
@@ -37,7 +38,7 @@ from services.common.broker import (
 from services.common.protos import predictor_pb2 as pb
 from services.engine.offload.prefetch.hints import HintPrefetcher
 from services.engine.step_context import StepContext
-from services.predictor.messages import Shape
+from services.predictor.messages import Shape, f32
 
 if TYPE_CHECKING:
     from services.engine.config import EngineConfig
@@ -56,32 +57,37 @@ def default_engine_id() -> str:
 @torch.inference_mode()
 def encode_step(ctx: StepContext, layers_seen: int, shape: Shape) -> list[pb.IterationContext]:
     """Per request of the step: token-mean router probabilities and routed-token counts of the first
-    `layers_seen` layers (dense layers stay zero), and the mean input embedding."""
+    `layers_seen` layers (dense layers stay zero), and the mean input embedding. One device copy per
+    array, then numpy over layers and requests (~0.1 ms for a 32-layer decode step on a CPU)."""
     n_req, n_exp = len(ctx.request_ids), shape.num_experts
-    lens = ctx.seq_lens or [1] * n_req
-    decode = all(n == 1 for n in lens)
-    token_req = torch.arange(n_req) if decode else torch.repeat_interleave(torch.arange(n_req), torch.tensor(lens))
-    denom = torch.tensor(lens, dtype=torch.float32)[:, None]
+    lens = np.asarray(ctx.seq_lens or [1] * n_req)
+    token_req = np.repeat(np.arange(n_req), lens)  # request of each token, in batch order
 
-    def mean(x: torch.Tensor) -> torch.Tensor:
-        x = x.float().cpu()
-        return x if decode else torch.zeros(n_req, x.shape[1]).index_add_(0, token_req, x) / denom
+    def per_request(x: np.ndarray) -> np.ndarray:  # [tokens, ...] -> [requests, ...] token mean
+        if len(x) == n_req:  # decode: one token per request
+            return x
+        out = np.zeros((n_req, *x.shape[1:]), np.float32)
+        np.add.at(out, token_req, x)
+        return out / lens.reshape(-1, *([1] * (x.ndim - 1)))
 
-    probs = torch.zeros(n_req, shape.num_layers, n_exp)
-    counts = torch.zeros(n_req, shape.num_layers, n_exp)
-    for layer in range(layers_seen):
-        p, sel = ctx.router_probs.get(layer), ctx.selected_experts.get(layer)
-        if p is None or sel is None:
-            continue
-        probs[:, layer] = mean(p)
-        flat = token_req.repeat_interleave(sel.shape[1]) * n_exp + sel.flatten().cpu()
-        counts[:, layer] = torch.bincount(flat, minlength=n_req * n_exp).view(n_req, n_exp).float()
-    emb = mean(ctx.embeddings) if ctx.embeddings is not None and shape.hidden_size else torch.zeros(n_req, 0)
+    probs = np.zeros((n_req, shape.num_layers, n_exp), np.float32)
+    counts = np.zeros((n_req, shape.num_layers, n_exp), np.float32)
+    layers = [i for i in range(layers_seen) if i in ctx.router_probs and i in ctx.selected_experts]
+    if layers:
+        routed = torch.stack([ctx.router_probs[i] for i in layers], dim=1).float().cpu().numpy()
+        chosen = torch.stack([ctx.selected_experts[i] for i in layers], dim=1).cpu().numpy()
+        onehot = np.zeros((chosen.shape[0], len(layers), n_exp), np.float32)  # [tokens, layers, experts]
+        np.put_along_axis(onehot, chosen, 1.0, axis=2)
+        probs[:, layers] = per_request(routed)
+        counts[:, layers] = per_request(onehot) * lens.reshape(-1, 1, 1)
+    emb = np.zeros((n_req, 0), np.float32)
+    if ctx.embeddings is not None and shape.hidden_size:
+        emb = per_request(ctx.embeddings.float().cpu().numpy())
     iterations = ctx.iterations or [0] * n_req
     return [
         pb.IterationContext(
-            request_id=rid, iteration=iterations[i], layers_seen=layers_seen, num_tokens=lens[i],
-            probs=probs[i].flatten().tolist(), counts=counts[i].flatten().tolist(), embedding=emb[i].tolist(),
+            request_id=rid, iteration=iterations[i], layers_seen=layers_seen, num_tokens=int(lens[i]),
+            probs=f32(probs[i]), counts=f32(counts[i]), embedding=f32(emb[i]),
         )
         for i, rid in enumerate(ctx.request_ids)
     ]
@@ -99,6 +105,7 @@ class PredictorLink:
         embedded: Callable[[Broker], object] | None = None,  # -> PredictorService to run in our thread
         partial_layers: tuple[int, ...] = (0,),
         queue_size: int = 64,
+        stream: str = CONTEXT_STREAM,
         stream_maxlen: int = DEFAULT_STREAM_MAXLEN,
         backoff_s: tuple[float, float] = (0.05, 2.0),
     ) -> None:
@@ -110,6 +117,7 @@ class PredictorLink:
         self.embedded = embedded
         self.partial_layers = set(partial_layers)
         self.queue_size = queue_size
+        self.stream = stream
         self.stream_maxlen = stream_maxlen
         self.backoff_s = backoff_s
         self.connected = False
@@ -257,7 +265,7 @@ class PredictorLink:
                     engine_id=self.engine_id, shape=self.shape.to_pb(), sent_unix_ns=sent_ns,
                     step=ctx.step_index, contexts=encode_step(ctx, layers_seen, self.shape), predictor=self.predictor,
                 )
-                await broker.stream_append(CONTEXT_STREAM, batch.SerializeToString(), self.stream_maxlen)
+                await broker.stream_append(self.stream, batch.SerializeToString(), self.stream_maxlen)
                 self._queue.popleft()  # only once sent: a failure counts it as dropped
                 self.counts["published"] += len(ctx.request_ids)
 

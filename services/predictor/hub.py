@@ -145,20 +145,18 @@ class PredictorHub:
             end = shape.num_layers if not sel.horizon else min(shape.num_layers, current.layers_seen + sel.horizon)
             targets = list(range(current.layers_seen, end))
         max_experts = sel.max_experts or 2 * shape.top_k
-        hints = []
-        for layer in targets:
-            scores = state.predictor.predict(PredictionQuery(history, current, layer))
-            if np.shape(scores) != (shape.num_experts,):
-                raise RuntimeError(f"predictor returned scores of shape {np.shape(scores)} for {shape}")
-            experts, probs, confidence = select_experts(scores, shape.top_k, sel.mass, max_experts)
-            hints.append(
-                pb.Hint(
-                    request_id=current.request_id, iteration=current.iteration, layer=layer,
-                    experts=experts.tolist(), priorities=probs.tolist(), score=confidence,
-                )
-            )
+        if not targets:
+            return []
+        scores = np.stack([state.predictor.predict(PredictionQuery(history, current, layer)) for layer in targets])
+        if scores.shape != (len(targets), shape.num_experts):
+            raise RuntimeError(f"predictor returned scores of shape {scores.shape[1:]} for {shape}")
+        experts, probs, confidence = select_experts(scores, shape.top_k, sel.mass, max_experts)
         self.counters["predictions_total"] += len(targets)
-        return hints
+        rid, it = current.request_id, current.iteration
+        return [
+            pb.Hint(request_id=rid, iteration=it, layer=layer, experts=e, priorities=p, score=float(c))
+            for layer, e, p, c in zip(targets, experts, probs, confidence)
+        ]
 
     def next_query(self, ctx: IterationContext, shape: Shape) -> IterationContext:
         """The following iteration, nothing routed yet; its input embedding is unknown, so the finished
@@ -166,8 +164,11 @@ class PredictorHub:
         zeros = np.zeros((shape.num_layers, shape.num_experts), np.float32)
         return IterationContext(ctx.request_id, ctx.iteration + 1, zeros, zeros.copy(), ctx.embedding, 0)
 
-    def handle(self, batch: pb.ContextBatch, predict: bool = True, strict: bool = False) -> list[pb.Hint]:
-        """The stream path (and gRPC Observe): observe every context, hint what comes next."""
+    def handle(
+        self, batch: pb.ContextBatch, predict: bool = True, strict: bool = False, superseded: frozenset[str] = frozenset()
+    ) -> list[pb.Hint]:
+        """The stream path (and gRPC Observe): observe every context, hint what comes next (except for
+        `superseded` requests, whose newer context is already waiting)."""
         shape = Shape.from_pb(batch.shape)
         state = self.model(shape)
         contexts = [to_context(c, shape) for c in batch.contexts]  # validate all before touching state
@@ -175,7 +176,7 @@ class PredictorHub:
         for ctx in contexts:
             history = self.observe(state, ctx, strict)
             self.counters["contexts_total"] += 1
-            if not predict:
+            if not predict or ctx.request_id in superseded:
                 continue
             finished = ctx.layers_seen >= shape.num_layers
             current = self.next_query(ctx, shape) if finished else ctx

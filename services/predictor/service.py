@@ -75,7 +75,7 @@ class PredictorService:
         consumer: str = "predictor-1",
         group: str = PREDICTOR_GROUP,
         stream: str = CONTEXT_STREAM,
-        max_context_age_s: float = 1.0,
+        max_context_age_s: float = 0.25,
         snapshotter: Snapshotter | None = None,
         snapshot_interval_s: float = 60.0,
         metrics: ServiceMetrics | None = None,
@@ -164,28 +164,32 @@ class PredictorService:
             )
             if not entries:
                 return
-            for _, data in entries:
-                await self._process(data)
+            batches = [b for b in (self._decode(data) for _, data in entries) if b is not None]
+            for batch, superseded in zip(batches, _superseded(batches)):
+                await self._process(batch, superseded)
             # Acknowledge after the hints went out: the ack is off the latency path, and a crash before it
             # means the entries are redone (observed twice at worst), never lost.
             await self.broker.stream_ack(self.stream, self.group, [entry_id for entry_id, _ in entries])
             if not pending or self._stop.is_set():
                 return
 
-    async def _process(self, data: bytes) -> None:
+    def _decode(self, data: bytes) -> pb.ContextBatch | None:
         try:
             batch = pb.ContextBatch.FromString(data)
         except DecodeError:
             self._reject("undecodable")
-            return
+            return None
         if self.engines is not None and batch.engine_id not in self.engines:
             self.counters["batches_skipped_total"] += 1
-            return
+            return None
+        return batch
+
+    async def _process(self, batch: pb.ContextBatch, superseded: frozenset[str] = frozenset()) -> None:
         age = time.time() - batch.sent_unix_ns / 1e9
         fresh = age <= self.max_context_age_s
         start = time.perf_counter()
         try:
-            hints = self.hub.handle(batch, predict=fresh)
+            hints = self.hub.handle(batch, predict=fresh, superseded=superseded)
         except (InvalidInput, CapacityExceeded) as exc:
             self._reject("invalid" if isinstance(exc, InvalidInput) else "capacity")
             log.debug("rejected context batch from %s: %s", batch.engine_id, exc)
@@ -199,6 +203,7 @@ class PredictorService:
         self.metrics.models.set(len(self.hub.models))
         self.counters["contexts_consumed_total"] += len(batch.contexts)
         self.counters["batches_consumed_total"] += 1
+        self.counters["contexts_superseded_total"] += len(superseded)
         if not fresh:
             self.counters["contexts_too_old_total"] += len(batch.contexts)
             return
@@ -243,3 +248,16 @@ class PredictorService:
         out["broker_connected"] = 1.0 if self.connected else 0.0
         out["models"] = float(len(self.hub.models))
         return out
+
+
+def _superseded(batches: list[pb.ContextBatch]) -> list[frozenset[str]]:
+    """Per batch, the requests with a newer context later in the same read: under a backlog only the
+    newest context of a request is worth predicting for (load shedding); the older ones are observed."""
+    last: dict[tuple[str, str], int] = {}
+    for i, batch in enumerate(batches):
+        for c in batch.contexts:
+            last[(batch.engine_id, c.request_id)] = i
+    return [
+        frozenset(c.request_id for c in b.contexts if last[(b.engine_id, c.request_id)] > i)
+        for i, b in enumerate(batches)
+    ]

@@ -16,6 +16,8 @@ import socket
 import sys
 from typing import Any
 
+from services.common.broker import CONTEXT_STREAM
+
 REDIS_URL_ENV = "HINTSERVE_REDIS_URL"
 
 
@@ -38,9 +40,11 @@ def add_service_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--grpc-port", type=int, default=50061, help="0 picks a free port, -1 disables gRPC")
     g.add_argument("--metrics-host", default="127.0.0.1")
     g.add_argument("--metrics-port", type=int, default=9464, help="Prometheus /metrics; 0 free port, -1 off")
+    g.add_argument("--stream", default=CONTEXT_STREAM, help="the engines' context stream")
     g.add_argument("--group", default=None, help="consumer group (default hintserve-predictor[:engine ids])")
     g.add_argument("--consumer", default=None, help="consumer name in the group; keep it across restarts to resume")
-    g.add_argument("--max-context-age-ms", type=float, default=1000.0, help="older contexts: observe, no hints")
+    g.add_argument("--skip-backlog", action="store_true", help="a new group reads only new contexts, not the stream")
+    g.add_argument("--max-context-age-ms", type=float, default=250.0, help="older contexts: observe, no hints")
     g.add_argument("--mass", type=float, default=0.9, help="hint the fewest experts covering this probability")
     g.add_argument("--max-experts", type=int, default=0, help="per hinted layer (0: 2 x top-k)")
     g.add_argument("--horizon", type=int, default=0, help="predict this many layers ahead (0: all)")
@@ -100,10 +104,10 @@ async def _serve(args: argparse.Namespace, url: str, factory: Any) -> None:
     # other engines' contexts that its siblings then never see.
     group = args.group or (f"{PREDICTOR_GROUP}:{args.engine_id}" if engines else PREDICTOR_GROUP)
     service = PredictorService(
-        broker, hub, consumer=args.consumer or f"predictor-{socket.gethostname()}", group=group,
+        broker, hub, consumer=args.consumer or f"predictor-{socket.gethostname()}", group=group, stream=args.stream,
         snapshotter=snapshotter,
         snapshot_interval_s=args.snapshot_interval_s, metrics=metrics,
-        max_context_age_s=args.max_context_age_ms / 1000, engines=engines,
+        max_context_age_s=args.max_context_age_ms / 1000, engines=engines, start="$" if args.skip_backlog else "0",
     )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
