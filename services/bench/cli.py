@@ -9,8 +9,7 @@ import os
 def _engine(args: argparse.Namespace) -> int:
     from services.bench.engine_bench import run_engine_bench
 
-    if not os.path.isfile(os.path.join(args.model, "config.json")):
-        raise FileNotFoundError(f"no model (config.json) in {args.model}")
+    _require_model(args.model)
     if args.repeats < 1 or args.new_tokens < 2:
         raise ValueError("--repeats must be >= 1 and --new-tokens >= 2")
     run_engine_bench(args.model, args.json, args.repeats, args.new_tokens, args.prompt_len, args.prefill_len, args.dtype)
@@ -20,8 +19,7 @@ def _engine(args: argparse.Namespace) -> int:
 def _gateway(args: argparse.Namespace) -> int:
     from services.bench.gateway_bench import run_gateway_bench
 
-    if not os.path.isfile(os.path.join(args.model, "config.json")):
-        raise FileNotFoundError(f"no model (config.json) in {args.model}")
+    _require_model(args.model)
     if args.concurrency < 1 or args.rounds < 1 or args.max_tokens < 2 or args.prompt_words < 1:
         raise ValueError("--concurrency, --rounds and --prompt-words must be >= 1 and --max-tokens >= 2")
     if not 0 <= args.batch_window_ms <= 1000:
@@ -30,6 +28,21 @@ def _gateway(args: argparse.Namespace) -> int:
         args.model, args.json, args.concurrency, args.max_tokens, args.prompt_words, args.rounds, args.batch_window_ms
     )
     return 0
+
+
+def _require_model(model: str) -> None:
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise FileNotFoundError(f"no model (config.json) in {model}")
+
+
+def _policies(text: str) -> list[str]:
+    from services.engine.offload.policies import POLICIES
+
+    policies = list(POLICIES) if text == "all" else text.split(",")
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; choose from: {', '.join(POLICIES)} or all")
+    return policies
 
 
 def _fractions(text: str) -> list[float]:
@@ -49,14 +62,9 @@ def _numbers(text: str, kind: type) -> list:
 
 def _offload(args: argparse.Namespace) -> int:
     from services.bench.offload_bench import run_offload_bench
-    from services.engine.offload.policies import POLICIES
 
-    if not os.path.isfile(os.path.join(args.model, "config.json")):
-        raise FileNotFoundError(f"no model (config.json) in {args.model}")
-    policies = list(POLICIES) if args.policies == "all" else args.policies.split(",")
-    unknown = [p for p in policies if p not in POLICIES]
-    if unknown:
-        raise ValueError(f"unknown policies {unknown}; choose from: {', '.join(POLICIES)} or all")
+    _require_model(args.model)
+    policies = _policies(args.policies)
     if "resident" not in policies:
         policies.insert(0, "resident")  # the reference every other policy is compared against
     if args.new_tokens < 2 or args.repeats < 1:
@@ -70,14 +78,9 @@ def _offload(args: argparse.Namespace) -> int:
 
 def _online(args: argparse.Namespace) -> int:
     from services.bench.online_bench import run_online_bench
-    from services.engine.offload.policies import POLICIES
 
-    if not os.path.isfile(os.path.join(args.model, "config.json")):
-        raise FileNotFoundError(f"no model (config.json) in {args.model}")
-    policies = list(POLICIES) if args.policies == "all" else args.policies.split(",")
-    unknown = [p for p in policies if p not in POLICIES]
-    if unknown:
-        raise ValueError(f"unknown policies {unknown}; choose from: {', '.join(POLICIES)} or all")
+    _require_model(args.model)
+    policies = _policies(args.policies)
     slos = {k: float(v) for k, v in (item.split(":") for item in args.goodput)}
     run_online_bench(args.model, policies, args.json, args.duration, args.speedup, args.max_context,
                      _fractions(args.cache)[0], _numbers(args.link_ratio, float)[0], slos)
@@ -87,8 +90,7 @@ def _online(args: argparse.Namespace) -> int:
 def _all(args: argparse.Namespace) -> int:
     from services.bench.suite import run_all
 
-    if not os.path.isfile(os.path.join(args.model, "config.json")):
-        raise FileNotFoundError(f"no model (config.json) in {args.model}")
+    _require_model(args.model)
     print(f"report: {run_all(args.model, args.out, args.quick)}")
     return 0
 
