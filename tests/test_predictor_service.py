@@ -216,6 +216,30 @@ async def test_restarted_service_resumes_from_its_group_and_snapshot(broker: Bro
         await _stop(service2, task2)
 
 
+async def test_periodic_snapshots_and_metrics_endpoint(tmp_path) -> None:
+    import urllib.request
+
+    stream, engine = unique("ctx"), uuid.uuid4().hex[:8]
+    broker = make_broker(None)
+    hub = PredictorHub(counting_factory, "counting")
+    service = PredictorService(
+        broker, hub, stream=stream, snapshotter=Snapshotter(str(tmp_path), hub), snapshot_interval_s=0.05
+    )
+    port = service.metrics.serve(0)
+    task = asyncio.create_task(service.run())
+    try:
+        await broker.stream_append(stream, batch(engine, [iteration("r1", 0)]).SerializeToString())
+        await poll(lambda: (tmp_path / "tiny.snapshot.npz").is_file(), what="a periodic snapshot")
+        url = f"http://127.0.0.1:{port}/metrics"
+        body = (await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read())).decode()
+        assert "hintserve_predictor_broker_connected 1.0" in body
+        assert "hintserve_predictor_contexts_consumed_total 1.0" in body
+        assert 'hintserve_predictor_search_seconds_bucket{le="0.001",source="stream"}' in body
+    finally:
+        await _stop(service, task)
+        service.metrics.close()
+
+
 # ---- units ----
 def test_snapshot_encoding_round_trips_without_pickle() -> None:
     state = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "n": 3, "t": (1, "x"), "m": {(1, 2): [None, 2.5]}}

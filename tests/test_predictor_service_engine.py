@@ -226,3 +226,32 @@ async def test_link_never_blocks_the_decode_loop() -> None:
         assert stats["predictor_contexts_dropped_total"] >= 2 * (100 - 5)  # queue of 4 + one in flight
     finally:
         link.close()
+
+
+def test_knobs_have_one_name_everywhere(tiny_mixtral_dir, monkeypatch) -> None:
+    from services.cli import build_parser
+    from services.engine.cli import engine_config
+    from services.engine.offload.policies import POLICIES
+
+    assert {"moe-infinity", "promoe", "finemoe", "hintserve"} <= set(POLICIES)
+    parser = build_parser()
+    flags = ["--redis-url", "redis://h:1", "--engine-id", "e1", "--predictor", "eamc"]
+    config = engine_config(parser.parse_args(["engine", "--model", tiny_mixtral_dir, *flags]))
+    assert (config.redis_url, config.engine_id, config.predictor) == ("redis://h:1", "e1", "eamc")
+    monkeypatch.setenv("HINTSERVE_REDIS_URL", "redis://h:2")
+    assert engine_config(parser.parse_args(["engine", "--model", tiny_mixtral_dir])).redis_url == "redis://h:2"
+    with pytest.raises(ValueError, match="unsupported broker URL"):
+        engine_config(parser.parse_args(["engine", "--model", tiny_mixtral_dir, "--redis-url", "http://x"]))
+    service = parser.parse_args(["predictor", "--redis-url", "redis://h:1", "--snapshot-dir", "/tmp/s"])
+    assert service.func.__name__ == "run_service" and service.snapshot_dir == "/tmp/s"
+
+
+async def test_link_stops_when_its_engine_is_dropped() -> None:
+    import gc
+
+    hints = HintPrefetcher((True,) * 3)
+    link = PredictorLink(lambda: InProcessBroker(), "dropped", Shape("m", 3, 8, 2, 4), hints).start()
+    await poll(lambda: link.connected, what="link up")
+    del hints
+    gc.collect()
+    await poll(lambda: not link._thread.is_alive(), what="the link thread to exit")

@@ -20,6 +20,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -112,7 +113,8 @@ class PredictorLink:
         self.broker_factory = broker_factory
         self.engine_id = engine_id
         self.shape = shape
-        self.hints = hints
+        # Weak: if the engine is dropped without close(), the link notices and stops its thread.
+        self._hints = weakref.ref(hints)
         self.predictor = predictor
         self.embedded = embedded
         self.partial_layers = set(partial_layers)
@@ -272,6 +274,10 @@ class PredictorLink:
     async def _receive_loop(self, sub) -> None:
         while not self._ending:
             data = await sub.get(timeout=0.25)
+            hints = self._hints()
+            if hints is None:  # the engine is gone
+                self._stop.set()  # type: ignore[union-attr]
+                return
             if data is None:
                 continue
             try:
@@ -283,7 +289,7 @@ class PredictorLink:
                 self._latencies.append((time.time_ns() - batch.ctx_sent_unix_ns) / 1e6)
             self.counts["hint_batches"] += 1
             self._last_hint = time.monotonic()
-            self.hints.submit(batch.hints)
+            hints.submit(batch.hints)
 
     # ---- stats ----
     def latencies_ms(self) -> list[float]:
