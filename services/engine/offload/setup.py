@@ -103,7 +103,7 @@ def make_prefetchers(
         elif name == "affinity":
             out.append(AffinityPrefetcher(spec.num_experts, spec.top_k, spec.moe_layers))
         elif name == "hints":
-            from services.engine.predictor_link import build_hint_prefetcher  # redis, grpc: only when used
+            from services.engine.predictor_setup import build_hint_prefetcher  # redis, grpc: only when used
 
             # Beside a local skip-gate, hints serve only the layers beyond its reach.
             near = config.prefetch_distance if "speculative" in policy.prefetchers else 0
