@@ -204,24 +204,15 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def start_predictor(engine: Any) -> Any:
-    """Hook for the predictor service in the all-in-one server.
-
-    When the predictor lands (services/predictor/), this starts it in-process with the in-process broker and
-    connects it to `engine` (iteration contexts in, prefetch hints out) and returns a handle with an async
-    `stop()`. Until then the engine runs with its local prefetchers only.
-    """
-    return None
-
-
 async def _run_serve(config: GatewayConfig, engine_cfg: Any, auth_line: str, sock: Any) -> None:
     from services.engine.async_engine import AsyncLLMEngine
     from services.gateway.engine_client import InProcessEngineClient
     from services.gateway.server import Gateway, HTTPServer
 
+    # A policy that uses prediction hints (hintserve, finemoe, moe-infinity) starts the predictor inside the
+    # engine, on the in-process broker unless --redis-url is given: all services in this one process.
     engine = AsyncLLMEngine(engine_cfg)
     await engine.start()
-    predictor = start_predictor(engine)
     try:
         gateway = Gateway(config, [InProcessEngineClient(engine)])
         server = HTTPServer(gateway.app, config.host, sock=sock)
@@ -232,6 +223,4 @@ async def _run_serve(config: GatewayConfig, engine_cfg: Any, auth_line: str, soc
         await server.serve_forever()
         _say("shutting down")
     finally:
-        if predictor is not None:
-            await predictor.stop()
         await engine.shutdown()

@@ -139,6 +139,10 @@ class OffloadedExpertProvider(ExpertProvider):
         return self.cache.nbytes
 
     def close(self) -> None:
+        for prefetcher in self.prefetchers:  # e.g. the hint prefetcher's predictor link thread
+            close = getattr(prefetcher, "close", None)
+            if close is not None:
+                close()
         self.transfers.shutdown()
 
     # ---- demand ----
