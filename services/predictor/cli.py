@@ -22,11 +22,12 @@ def register(subparsers: Any) -> None:
     tsub = trace.add_subparsers(dest="trace_command", required=True)
     collect = tsub.add_parser("collect", help="greedy-decode prompts with our engine and record routing traces")
     collect.add_argument("--model", required=True, help="model directory")
-    collect.add_argument("--prompts", required=True, help="jsonl (question/prompt fields) or txt (one per line)")
+    collect.add_argument("--prompts", required=True, action="append",
+                         help="jsonl (question/prompt fields) or txt (one per line); repeatable")
     collect.add_argument("--out", required=True, help="output trace directory (index.json + trace.npz)")
     collect.add_argument("--max-tokens", type=int, default=32, help="tokens generated per prompt (default 32)")
     collect.add_argument("--batch", type=int, default=8, help="requests decoded together (default 8)")
-    collect.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    collect.add_argument("--limit", type=int, default=None, help="use the first N prompts of each file")
     collect.add_argument("--layer-inputs", action="store_true",
                          help="also store every token's MoE-block input (learned gate, skip-gate)")
     collect.set_defaults(func=run_collect)
@@ -102,9 +103,13 @@ def run_collect(args: argparse.Namespace) -> int:
         _positive(name.replace("_", "-"), getattr(args, name))
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         raise FileNotFoundError(f"no model (config.json) in {args.model}")
-    if not os.path.isfile(args.prompts):
-        raise FileNotFoundError(f"prompts file not found: {args.prompts}")
-    prompts = read_prompts(args.prompts, args.limit)
+    if args.limit is not None:
+        _positive("limit", args.limit)
+    prompts = []
+    for path in args.prompts:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"prompts file not found: {path}")
+        prompts += read_prompts(path, args.limit)
     trace = collect_traces(args.model, prompts, args.max_tokens, args.batch, args.layer_inputs)
     save_traces(trace, args.out)
     print(f"[hintserve] {len(trace.requests)} requests, {trace.num_iterations} iterations, {trace.num_layers} MoE "

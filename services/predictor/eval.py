@@ -192,7 +192,9 @@ def run_eval(train: list[TraceSet], train_paths: list[str], test: TraceSet, test
                 bar.update()
     for name in runnable:
         for d in cfg.distances:
-            rows.append({"predictor": name, "distance": d, **_merge([fold[d] for fold in results[name]])})
+            merged = _merge([fold[d] for fold in results[name]])
+            rows.append({"predictor": name, "distance": d,
+                         **{k: int(v) if k in ("n_predictions", "budget") else float(v) for k, v in merged.items()}})
     return {
         "train": train_paths, "test": test_path, "skipped": skipped,
         "trace": {"layers": test.num_layers, "experts": test.num_experts, "top_k": test.top_k,

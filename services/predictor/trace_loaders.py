@@ -149,7 +149,11 @@ def load_qwen_logger(directory: str, num_experts: int = 60) -> TraceSet:
     layer_files = sorted((int(os.path.basename(f)[9:-6]), f) for f in files)
     per_layer = []
     for _, f in layer_files:
-        rows = [r for r in _read_jsonl(f) if r.get("type") == "route"][QWEN_DUMMY_ROWS:]
+        with open(f) as fh:
+            lines = [line for line in fh if line.strip()]
+        if not lines or json.loads(lines[0]).get("type") != "meta":
+            raise ValueError(f"{f}: expected a vLLM MoE logger file (meta line first)")
+        rows = [json.loads(line) for line in lines[1 + QWEN_DUMMY_ROWS:]]  # the dummy rows are never parsed
         passes: list[list[dict]] = []
         for r in rows:
             if r["token_idx"] == 0 or not passes:

@@ -1,8 +1,8 @@
 """Ours: a learned log-linear blend of the predictors that measurably carry signal.
 
 Each component c scores the target layer's experts; its log-probabilities log p_c are combined as
-softmax(sum_c w_c log p_c) (a product of experts), with separate weights per distance (1..4+) and per phase
-(nothing of the iteration routed yet vs. some layers routed), plus a confidence term for the map search
+softmax(sum_c w_c log p_c) (a product of experts), with separate weights per phase (nothing of the iteration routed
+yet: per target layer 0..3+; some layers routed: per distance 1..4+), plus a confidence term for the map search
 (similarity x log p), so a near-exact trajectory match dominates and a weak one defers to the skip-gate /
 learned gate (near layers), the request's previous token or the affinity chain. The weights are fitted on
 out-of-fold predictions: components are fitted on one half of the training requests and replayed online on
@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from services.predictor.context import IterationContext, PredictionQuery, RequestTrace
 from services.predictor.predictors.base import Predictor
@@ -34,9 +35,11 @@ class HintServePredictor(Predictor):
     name = "hintserve"
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int, model_dir: str = "",
-                 layer_ids: list[int] | None = None, hidden: bool = False, seed: int = 0) -> None:
+                 layer_ids: list[int] | None = None, hidden: bool = False, gate_steps: int = 300,
+                 folds: int = 4, seed: int = 0) -> None:
         super().__init__(num_layers, num_experts, top_k)
         self.model_dir, self.layer_ids, self.hidden, self.seed = model_dir, layer_ids, hidden, seed
+        self.gate_steps, self.folds = gate_steps, folds
         self.components = self._make_components()
         self.weights = np.zeros((2, MAX_BUCKET, self.num_features), np.float32)
         self.weights[:, :, 0] = 1.0  # before fitting: the map search alone
@@ -50,14 +53,16 @@ class HintServePredictor(Predictor):
     def _make_components(self) -> dict[str, Predictor]:
         L, E, k = self.num_layers, self.num_experts, self.top_k
         comps: dict[str, Predictor] = {
-            # Trajectory + context similarity, soft top-8 average (measured better than FineMoE's single
-            # best map on the real Mixtral and Qwen traces; see bench/results/PREDICTORS.md).
-            "expert-map": ExpertMapPredictor(L, E, k, top_m=8, temperature=0.02, context_weight=0.2),
+            # FineMoE's single best map, searched on trajectory + 0.2 x context similarity (better on the
+            # real Mixtral/Qwen traces, neutral on the demo model) ...
+            "expert-map": ExpertMapPredictor(L, E, k, context_weight=0.2),
+            # ... and a soft top-8 average of maps (better at-least-one on the sparse top-k-only logs).
+            "map-knn": ExpertMapPredictor(L, E, k, top_m=8, temperature=0.02, context_weight=0.2),
             "previous-token": PreviousTokenPredictor(L, E, k),
             "popularity-affinity": PopularityAffinityPredictor(L, E, k),
         }
         if self.hidden:
-            comps["learned-gate"] = LearnedGatePredictor(L, E, k, seed=self.seed)
+            comps["learned-gate"] = LearnedGatePredictor(L, E, k, steps=self.gate_steps, seed=self.seed)
             if self.model_dir:
                 comps["speculative"] = SpeculativePredictor(L, E, k, self.model_dir, self.layer_ids)
         return comps
@@ -87,7 +92,11 @@ class HintServePredictor(Predictor):
 
     @staticmethod
     def bucket(query: PredictionQuery) -> tuple[int, int]:
-        return int(query.current.layers_seen > 0), min(query.distance, MAX_BUCKET) - 1
+        """(phase, index): with nothing routed yet the query does not depend on the distance, only on the
+        target layer, so phase 0 is keyed by target layer; phase 1 by distance (both capped)."""
+        if query.current.layers_seen == 0:
+            return 0, min(query.target_layer, MAX_BUCKET - 1)
+        return 1, min(query.distance, MAX_BUCKET) - 1
 
     def predict(self, query: PredictionQuery) -> np.ndarray:
         phase, d = self.bucket(query)
@@ -136,18 +145,18 @@ class HintServePredictor(Predictor):
                 ys.append((it.counts[t] > 0).astype(np.float32))
 
     def _folds(self, requests: list[RequestTrace]) -> list[tuple[list, list]]:
-        """Two halves by request; with fewer than 4 requests, each request's first/second half of iterations."""
-        if len(requests) >= 4:
-            order = np.random.default_rng(self.seed).permutation(len(requests))
-            a = [requests[i] for i in order[: len(order) // 2]]
-            b = [requests[i] for i in order[len(order) // 2:]]
-        else:
+        """K folds by request (components see (K-1)/K of the data, close to the final fit); with fewer than
+        4 requests, each request's first and second half of iterations as two pseudo-requests."""
+        if len(requests) < 4:
             a, b = [], []
             for r in requests:
                 half = len(r.iterations) // 2
                 a.append(RequestTrace(f"{r.request_id}#a", r.iterations[:half], r.source))
                 b.append(RequestTrace(f"{r.request_id}#b", r.iterations[half:], r.source))
-        return [(a, b), (b, a)]
+            return [(a, b), (b, a)]
+        order = np.random.default_rng(self.seed).permutation(len(requests))
+        folds = np.array_split(order, min(self.folds, len(requests) // 2))
+        return [([requests[i] for i in order if i not in set(f)], [requests[i] for i in f]) for f in folds]
 
     # ---- persistence ----
     def snapshot(self) -> dict[str, Any]:
@@ -161,16 +170,23 @@ class HintServePredictor(Predictor):
 
 
 def _fit_weights(x: np.ndarray, y: np.ndarray, init: np.ndarray, l2: float = 1e-3) -> np.ndarray:
-    """Weights w minimising the cross-entropy of softmax(x @ w) against the normalised multi-hot y."""
-    xt, yt = torch.from_numpy(x), torch.from_numpy(y / np.maximum(y.sum(1, keepdims=True), 1))
-    w = torch.tensor(init, requires_grad=True)
-    opt = torch.optim.LBFGS([w], max_iter=100, line_search_fn="strong_wolfe")
+    """Non-negative weights w ranking each sample's used experts above its unused ones: a pairwise logistic
+    loss on x @ w (it targets the top-k hit directly). w = softplus(v) >= 0: a product of experts never
+    rewards disagreeing with a component, which keeps the blend stable when components get more data."""
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y.astype(np.float32))
+    pairs = yt[:, :, None] * (1 - yt[:, None, :])  # [N, E, E]: (used i, unused j)
+    start = torch.from_numpy(np.maximum(init, 1e-3).astype(np.float32))
+    v = (start.expm1().log()).clone().requires_grad_(True)  # softplus^-1
+    opt = torch.optim.LBFGS([v], max_iter=100, line_search_fn="strong_wolfe")
 
     def closure() -> torch.Tensor:
         opt.zero_grad()
-        loss = -(yt * torch.log_softmax(xt @ w, dim=1)).sum(1).mean() + l2 * w.pow(2).sum()
+        w = nn.functional.softplus(v)
+        s = xt @ w
+        margin = nn.functional.softplus(s[:, None, :] - s[:, :, None])  # loss when unused j outranks used i
+        loss = (margin * pairs).sum((1, 2)).mean() + l2 * w.pow(2).sum()
         loss.backward()
         return loss
 
     opt.step(closure)
-    return w.detach().numpy().astype(np.float32)
+    return nn.functional.softplus(v).detach().numpy().astype(np.float32)
