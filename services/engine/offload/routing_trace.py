@@ -15,14 +15,10 @@ class RoutingTrace:
     def __init__(self, num_layers: int, steps: list[list[list[int]]] | None = None) -> None:
         self.num_layers = num_layers
         self.steps: list[list[list[int]]] = steps or []  # [step][layer] -> sorted expert ids
-        self._first_step: int | None = None
-        self._replay_base: int | None = None
         self._positions: dict[Key, list[int]] | None = None
 
     # ---- recording (a step observer) ----
     def __call__(self, ctx: StepContext) -> None:
-        if self._first_step is None:
-            self._first_step = ctx.step_index
         per_layer: list[list[int]] = [[] for _ in range(self.num_layers)]
         for layer, experts in ctx.selected_experts.items():
             per_layer[layer] = sorted(set(experts.flatten().tolist()))
@@ -30,13 +26,11 @@ class RoutingTrace:
         self._positions = None
 
     # ---- replay ----
-    def replay_step(self, ctx: StepContext | None) -> int:
-        """This run's step index relative to its first step (runs must be identical to the recorded one)."""
-        if ctx is None:
-            return 0
-        if self._replay_base is None:
-            self._replay_base = ctx.step_index
-        return ctx.step_index - self._replay_base
+    @staticmethod
+    def replay_step(ctx: StepContext | None) -> int:
+        """Steps count from the engine's start in both the recorded and the replaying run, which must be
+        identical (same requests submitted the same way to a fresh engine)."""
+        return 0 if ctx is None else ctx.step_index
 
     def experts(self, step: int, layer: int) -> list[int]:
         if 0 <= step < len(self.steps):
