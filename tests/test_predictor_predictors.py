@@ -206,3 +206,14 @@ def test_speculative_needs_a_model_and_layer_inputs(trace: TraceSet) -> None:
 def test_bench_search_reports_percentiles() -> None:
     r = bench_search(200, layers=8, experts=8, hidden=64, queries=100)
     assert r["p50_ms"] <= r["p99_ms"] and r["cpu_p50_ms"] > 0 and "semantic_p99_ms" in r
+
+
+@pytest.mark.parametrize("name", NO_MODEL)
+def test_constructible_from_shape_alone(name: str) -> None:
+    """The predictor service builds predictors from (layers, experts, top_k) and learns online."""
+    from services.predictor.predictors import predictor_class
+
+    pred = predictor_class(name)(L, E, K)
+    it = synthetic_trace(requests=1, iterations=2).requests[0].iterations
+    pred.observe(it[0])
+    assert pred.predict(PredictionQuery([it[0]], masked(it[1], 1), 2)).shape == (E,)

@@ -102,3 +102,6 @@ def test_collect_save_load_and_skip_gate_on_tiny_model(tiny_mixtral_dir: str, tm
         assert set(np.argsort(-scores)[:2]) == set(np.flatnonzero(b.counts[t]))
     q = PredictionQuery(back.requests[1].iterations[:2], masked(b, 1), 2)
     assert spec.predict(q).shape == (8,)
+    back.model_hash = "0" * 16  # weights changed since recording: the skip-gate refuses the trace
+    with pytest.raises(ValueError, match="re-collect"):
+        SpeculativePredictor.from_trace(back)

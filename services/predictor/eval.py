@@ -222,8 +222,8 @@ def markdown_report(payload: dict, title: str) -> str:
     table = markdown_table(
         ["predictor", "d", "exact top-k", ">=1 hit", f"recall@{cfg['budget']}", "fetch rate", "GoodPred", "n",
          "us/query"],
-        [[r["predictor"], r["distance"], *(round(r[k], 3) for k in TABLE_KEYS[:3]), round(r["fetch_rate"], 3),
-          round(r["goodpred"], 3), r["n_predictions"], round(r["predict_us"])] for r in rows])
+        [[r["predictor"], r["distance"], *(f"{r[k]:.3f}" for k in (*TABLE_KEYS[:3], "fetch_rate", "goodpred")),
+          r["n_predictions"], round(r["predict_us"])] for r in rows])
     names = list(dict.fromkeys(r["predictor"] for r in rows))
     dists = cfg["distances"]
     pivot = markdown_table(["predictor", *(f"d={d} exact / >=1" for d in dists)],

@@ -39,6 +39,7 @@ class TraceSet:
     source: str = ""
     model: str = ""  # model directory, when recorded by our engine (the skip-gate needs its weights)
     notes: str = ""
+    model_hash: str = ""  # fingerprint of the weights the trace was recorded with (see model_fingerprint)
 
     @property
     def num_iterations(self) -> int:
@@ -50,7 +51,7 @@ class TraceSet:
 
     def subset(self, requests: list[RequestTrace]) -> TraceSet:
         return TraceSet(requests, self.num_layers, self.num_experts, self.top_k, self.layer_ids, self.source,
-                        self.model, self.notes)
+                        self.model, self.notes, self.model_hash)
 
 
 def iteration_from_routing(request_id: str, iteration: int, experts: np.ndarray, weights: np.ndarray,
@@ -88,6 +89,7 @@ def save_traces(trace: TraceSet, out_dir: str) -> None:
     index = {
         "format": FORMAT,
         "model": trace.model,
+        "model_hash": trace.model_hash,
         "source": trace.source,
         "notes": trace.notes,
         "num_layers": trace.num_layers,
@@ -124,7 +126,8 @@ def load_hintserve_trace(path: str) -> TraceSet:
             it.token_experts = experts[offsets[n]:offsets[n + 1]]  # type: ignore[index]
         request.iterations.append(it)
     return TraceSet(requests, index["num_layers"], index["num_experts"], index["top_k"], index["layer_ids"],
-                    index.get("source", path), index.get("model", ""), index.get("notes", ""))
+                    index.get("source", path), index.get("model", ""), index.get("notes", ""),
+                    index.get("model_hash", ""))
 
 
 def load_traces(path: str) -> TraceSet:
@@ -154,7 +157,7 @@ def merge_traces(traces: list[TraceSet]) -> TraceSet:
             seen.add(r.request_id)
             requests.append(r)
     return TraceSet(requests, first.num_layers, first.num_experts, first.top_k, first.layer_ids,
-                    "+".join(t.source for t in traces), first.model, first.notes)
+                    "+".join(t.source for t in traces), first.model, first.notes, first.model_hash)
 
 
 # ---- recording from our engine ------------------------------------------------------------------
@@ -253,4 +256,18 @@ def collect_traces(model: str, prompts: list[str], max_tokens: int = 32, batch: 
         engine.close()
     return TraceSet(recorder.requests(ids), len(recorder.layer_ids), spec.num_experts, spec.top_k,
                     recorder.layer_ids, source=f"engine:{os.path.basename(os.path.normpath(model))}",
-                    model=os.path.abspath(model), notes=f"greedy, {max_tokens} tokens per prompt, ignore_eos")
+                    model=os.path.abspath(model), notes=f"greedy, {max_tokens} tokens per prompt, ignore_eos",
+                    model_hash=model_fingerprint(model))
+
+
+def model_fingerprint(model_dir: str) -> str:
+    """sha256 (16 hex digits) of the model's weight files: a trace is only valid with the same weights."""
+    import glob
+    import hashlib
+
+    h = hashlib.sha256()
+    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+    return h.hexdigest()[:16]

@@ -25,7 +25,7 @@ from services.predictor.predictors.expert_map import ExpertMapPredictor
 from services.predictor.predictors.learned_gate import LearnedGatePredictor
 from services.predictor.predictors.popularity_affinity import PopularityAffinityPredictor
 from services.predictor.predictors.previous_token import PreviousTokenPredictor
-from services.predictor.predictors.speculative import SpeculativePredictor
+from services.predictor.predictors.speculative import SpeculativePredictor, check_weights
 
 MAX_BUCKET = 4
 HIDDEN_COMPONENTS = ("learned-gate", "speculative")
@@ -47,6 +47,8 @@ class HintServePredictor(Predictor):
     @classmethod
     def from_trace(cls, trace, **kwargs) -> HintServePredictor:  # trace: services.predictor.traces.TraceSet
         hidden = trace.has_layer_inputs
+        if hidden and trace.model:
+            check_weights(trace.model, trace.model_hash)
         return cls(trace.num_layers, trace.num_experts, trace.top_k, model_dir=trace.model if hidden else "",
                    layer_ids=trace.layer_ids, hidden=hidden, **kwargs)
 

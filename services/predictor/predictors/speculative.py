@@ -49,6 +49,14 @@ def load_router_weights(model_dir: str, layer_ids: list[int]) -> tuple[list[torc
     return routers, norms, eps
 
 
+def check_weights(model_dir: str, recorded_hash: str) -> None:
+    """Hidden states recorded with other weights would silently mislead the skip-gate: refuse them."""
+    from services.predictor.traces import model_fingerprint
+
+    if recorded_hash and model_fingerprint(model_dir) != recorded_hash:
+        raise ValueError(f"the weights in {model_dir} changed since this trace was recorded; re-collect it")
+
+
 class SpeculativePredictor(Predictor):
     name = "speculative"
     requires_layer_inputs = True
@@ -65,6 +73,7 @@ class SpeculativePredictor(Predictor):
     @classmethod
     def from_trace(cls, trace, **kwargs) -> SpeculativePredictor:  # trace: services.predictor.traces.TraceSet
         model = kwargs.pop("model_dir", "") or trace.model
+        check_weights(model, trace.model_hash)
         return cls(trace.num_layers, trace.num_experts, trace.top_k, model_dir=model, layer_ids=trace.layer_ids)
 
     def predict_from_hidden(self, hidden: np.ndarray | torch.Tensor, target: int) -> np.ndarray:
