@@ -67,6 +67,8 @@ def add_predictor_subcommands(sub: Any) -> None:
     ev.add_argument("--test-fraction", type=float, default=0.25, help="test share of requests when --folds 1")
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--include-prefill", action="store_true", help="also score prefill iterations")
+    ev.add_argument("--offline", action="store_true",
+                    help="do not observe test iterations (ablation: no within-request / online memory)")
     ev.add_argument("--json", required=True, help="output JSON; .md and .png are written next to it")
     ev.add_argument("--title", default=None)
     ev.set_defaults(func=run_eval_command)
@@ -151,7 +153,7 @@ def _eval_config(args: argparse.Namespace):
         raise ValueError(f"--test-fraction must be in (0, 1), got {args.test_fraction}")
     predict_ms = None if args.predict_ms == "measured" else float(args.predict_ms)
     return EvalConfig(distances, args.budget, args.layer_ms, args.expert_ms, predict_ms, args.seed,
-                      args.test_fraction, args.folds, args.include_prefill)
+                      args.test_fraction, args.folds, args.include_prefill, online=not args.offline)
 
 
 def run_eval_command(args: argparse.Namespace) -> int:

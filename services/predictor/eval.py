@@ -32,6 +32,7 @@ class EvalConfig:
     test_fraction: float = 0.25
     folds: int = 1  # > 1: k-fold by request when the test trace is also a training trace
     include_prefill: bool = False
+    online: bool = True  # test iterations are observed after being predicted (the stores learn from traffic)
 
 
 def split_by_request(requests: list[RequestTrace], cfg: EvalConfig) -> list[tuple[list, list]]:
@@ -131,7 +132,8 @@ def evaluate_predictor(name: str, train: TraceSet, test: list[RequestTrace], cfg
                         accs[d].plan_size += len(experts)
                         accs[d].plan_recall += actual[experts].sum() / max(actual.sum(), 1)
                         accs[d].n_plan += 1
-            pred.observe(it)
+            if cfg.online:
+                pred.observe(it)
             history = history + [it]
     predict_ms = 1000 * predict_s / max(n_queries, 1)
     out = {}
@@ -203,7 +205,7 @@ def run_eval(train: list[TraceSet], train_paths: list[str], test: TraceSet, test
                   "test_requests": [[r.request_id for r in te] for _, te in splits]},
         "config": {"distances": cfg.distances, "budget": cfg.budget or test.top_k, "layer_ms": cfg.layer_ms,
                    "expert_ms": cfg.expert_ms,
-                   "predict_ms": "measured" if cfg.predict_ms is None else cfg.predict_ms,
+                   "predict_ms": "measured" if cfg.predict_ms is None else cfg.predict_ms, "online": cfg.online,
                    "include_prefill": cfg.include_prefill},
         "rows": rows,
     }
@@ -236,7 +238,8 @@ def markdown_report(payload: dict, title: str) -> str:
         f"Trace: {trace['layers']} layers (ids {trace['layer_ids']}), {trace['experts']} experts, top-{trace['top_k']},"
         f" {trace['requests']} requests. {trace['notes']}",
         f"Split by request (seed {split['seed']}, {split['folds']} fold(s)); decode iterations only"
-        f"{'' if not cfg['include_prefill'] else ' + prefill'}. Budget {cfg['budget']} experts/layer; GoodPred ="
+        f"{'' if not cfg['include_prefill'] else ' + prefill'}"
+        f"{'' if cfg.get('online', True) else '; OFFLINE: test iterations are not observed'}. Budget {cfg['budget']} experts/layer; GoodPred ="
         f" recall@budget x fetch rate (layer {cfg['layer_ms']} ms, expert transfer {cfg['expert_ms']} ms,"
         f" predictor {cfg['predict_ms']} ms).",
     ]
@@ -261,6 +264,7 @@ def plot_report(payload: dict, path: str, title: str) -> None:
             style = dict(linewidth=2.8, color="black") if n == "hintserve" else dict(linewidth=1.4)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=n, **style)
         ax.set_title(label)
+        ax.set_xticks(payload["config"]["distances"])
         ax.set_xlabel("prefetch distance (layers)")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
