@@ -11,15 +11,19 @@ import time
 import uuid
 from typing import Any
 
+from services.common.metrics_http import MetricsEndpoint, add_metrics_args, check_metrics_port
 from services.engine.config import EngineConfig
 from services.engine.sampling_params import SamplingParams
+
+ENGINE_PORT = 50051  # gRPC's customary port
 
 
 def register(subparsers: Any) -> None:
     serve = subparsers.add_parser("engine", help="serve a model over gRPC until SIGINT/SIGTERM")
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    serve.add_argument("--port", type=int, default=ENGINE_PORT, help="0 picks a free port")
+    add_metrics_args(serve, default_port=-1, what="engine")
     serve.set_defaults(func=run_engine)
 
     gen = subparsers.add_parser("generate", help="generate text offline with an in-process engine")
@@ -92,13 +96,25 @@ def _load_engine(config: EngineConfig) -> Any:
 def run_engine(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    check_metrics_port(args.metrics_port)
     config = engine_config(args)
     engine = _load_engine(config)
-    asyncio.run(_serve(engine, args.host, args.port))
+    asyncio.run(_serve(engine, args.host, args.port, args.metrics_host, args.metrics_port))
     return 0
 
 
-async def _serve(engine: Any, host: str, port: int) -> None:
+def start_engine_metrics(engine: Any, host: str, port: int) -> MetricsEndpoint | None:
+    """The engine's /metrics endpoint (`--metrics-port`; -1: none), started once the engine runs."""
+    if port < 0:
+        return None
+    from services.engine.metrics_endpoint import serve_engine_metrics
+
+    endpoint = serve_engine_metrics(engine.stats, host, port)
+    print(f"[hintserve] engine metrics at {endpoint.url}", file=sys.stderr, flush=True)
+    return endpoint
+
+
+async def _serve(engine: Any, host: str, port: int, metrics_host: str, metrics_port: int) -> None:
     from services.engine.grpc_server import serve_engine, stop_server
 
     stop = asyncio.Event()
@@ -107,6 +123,7 @@ async def _serve(engine: Any, host: str, port: int) -> None:
         loop.add_signal_handler(sig, stop.set)
     await engine.start()
     server, bound = await serve_engine(engine, host, port)
+    metrics = start_engine_metrics(engine, metrics_host, metrics_port)
     try:
         info = engine.model_info()
         print(
@@ -115,6 +132,8 @@ async def _serve(engine: Any, host: str, port: int) -> None:
         await stop.wait()
         print("[hintserve] shutting down", file=sys.stderr, flush=True)
     finally:
+        if metrics is not None:
+            metrics.close()
         await stop_server(server, grace=5.0)  # in-flight streams get 5 s, then are cancelled (and aborted)
         await engine.shutdown()
 

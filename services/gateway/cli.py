@@ -19,6 +19,7 @@ import signal
 import sys
 from typing import Any
 
+from services.common.metrics_http import add_metrics_args, check_metrics_port
 from services.gateway.auth import ADMIN_KEY_ENV, API_KEYS_ENV, load_api_keys
 from services.gateway.config import GatewayConfig, parse_engine_addresses
 
@@ -48,6 +49,12 @@ def register(subparsers: Any) -> None:
         default=None,
         help="model directory whose tokenizer gives the chat template (needed for chat)",
     )
+    gateway.add_argument(
+        "--discover-engines",
+        action="store_true",
+        help="re-resolve the --engines host names every --health-interval-s and route to every address "
+        "each one resolves to (docker compose --scale engine=N, a Kubernetes headless Service)",
+    )
     _add_gateway_args(gateway)
     gateway.set_defaults(func=run_gateway)
 
@@ -56,6 +63,9 @@ def register(subparsers: Any) -> None:
     )
     add_engine_args(serve, model_default=DEFAULT_MODEL_DIR)
     _add_gateway_args(serve)
+    # The in-process engine's own /metrics, as `hintserve engine --metrics-port` serves it (off by default:
+    # the gateway's /metrics already carries the engine's series).
+    add_metrics_args(serve, default_port=-1, what="in-process engine")
     serve.set_defaults(func=run_serve)
 
 
@@ -165,15 +175,20 @@ def run_gateway(args: argparse.Namespace) -> int:
 
     sock = bind_socket(config.host, config.port)
     _setup_logging()
-    asyncio.run(_run_gateway(config, addresses, auth_line, sock))
+    asyncio.run(_run_gateway(config, addresses, auth_line, sock, args.discover_engines))
     return 0
 
 
-async def _run_gateway(config: GatewayConfig, addresses: list[str], auth_line: str, sock: Any) -> None:
+async def _run_gateway(
+    config: GatewayConfig, addresses: list[str], auth_line: str, sock: Any, discover: bool
+) -> None:
     from services.engine.grpc_server import EngineClient
+    from services.gateway.engine_discovery import EngineDiscovery
     from services.gateway.server import Gateway, HTTPServer
 
     gateway = Gateway(config, [EngineClient(a) for a in addresses])
+    if discover:
+        gateway.discovery = EngineDiscovery(gateway.pool, addresses, EngineClient, config.health_interval_s)
     server = HTTPServer(gateway.app, config.host, sock=sock)
     _stop_on_signals(server)
     await server.start()
@@ -195,17 +210,21 @@ def run_serve(args: argparse.Namespace) -> int:
 
     api_keys, auth_line = resolve_auth(args, loopback_default_off=True)  # before loading the model
     config = gateway_config(args, api_keys, args.model)
+    check_metrics_port(args.metrics_port)
     engine_cfg = engine_config(args)  # FileNotFoundError / ValueError with one line
     from services.gateway.server import bind_socket
 
     sock = bind_socket(config.host, config.port)  # a busy port fails before the model loads
     _setup_logging()
-    asyncio.run(_run_serve(config, engine_cfg, auth_line, sock))
+    asyncio.run(_run_serve(config, engine_cfg, auth_line, sock, (args.metrics_host, args.metrics_port)))
     return 0
 
 
-async def _run_serve(config: GatewayConfig, engine_cfg: Any, auth_line: str, sock: Any) -> None:
+async def _run_serve(
+    config: GatewayConfig, engine_cfg: Any, auth_line: str, sock: Any, metrics_at: tuple[str, int]
+) -> None:
     from services.engine.async_engine import AsyncLLMEngine
+    from services.engine.cli import start_engine_metrics
     from services.gateway.engine_client import InProcessEngineClient
     from services.gateway.server import Gateway, HTTPServer
 
@@ -213,6 +232,7 @@ async def _run_serve(config: GatewayConfig, engine_cfg: Any, auth_line: str, soc
     # engine, on the in-process broker unless --redis-url is given: all services in this one process.
     engine = AsyncLLMEngine(engine_cfg)
     await engine.start()
+    metrics = start_engine_metrics(engine, *metrics_at)
     try:
         gateway = Gateway(config, [InProcessEngineClient(engine)])
         server = HTTPServer(gateway.app, config.host, sock=sock)
@@ -223,4 +243,6 @@ async def _run_serve(config: GatewayConfig, engine_cfg: Any, auth_line: str, soc
         await server.serve_forever()
         _say("shutting down")
     finally:
+        if metrics is not None:
+            metrics.close()
         await engine.shutdown()

@@ -31,6 +31,7 @@ class EngineHandle:
     stats: dict[str, float] = field(default_factory=dict)  # the latest Stats() reply
     last_error: str = ""
     failures: int = 0  # requests that failed over away from this engine
+    retired: bool = False  # dropped by discovery: no new requests; the client closes once none is left
 
     @property
     def address(self) -> str:
@@ -38,7 +39,7 @@ class EngineHandle:
 
     @property
     def has_capacity(self) -> bool:
-        return self.healthy and self.outstanding < self.max_concurrency
+        return self.healthy and not self.retired and self.outstanding < self.max_concurrency
 
 
 class EnginePool:
@@ -56,6 +57,7 @@ class EnginePool:
         health_interval_s: float = 2.0,
         check_timeout_s: float = 2.0,
     ) -> None:
+        self.max_concurrency_per_engine = max_concurrency_per_engine
         self.engines = [EngineHandle(c, max_concurrency_per_engine) for c in clients]
         if not self.engines:
             raise ValueError("the engine pool needs at least one engine")
@@ -64,6 +66,7 @@ class EnginePool:
         self._next = 0  # rotates ties between equally loaded engines
         self._listeners: list[Callable[[], None]] = []
         self._task: asyncio.Task | None = None
+        self._closing: set[asyncio.Task] = set()  # clients of retired engines being closed
 
     # ---- lifecycle ----
     async def start(self) -> None:
@@ -75,7 +78,8 @@ class EnginePool:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
-        await asyncio.gather(*(h.client.close() for h in self.engines), return_exceptions=True)
+        closes = [h.client.close() for h in self.engines]
+        await asyncio.gather(*closes, *self._closing, return_exceptions=True)
 
     def add_listener(self, callback: Callable[[], None]) -> None:
         """`callback()` runs whenever capacity may have appeared or an engine's health changed."""
@@ -116,6 +120,28 @@ class EnginePool:
                 pass  # the health round decides about health; a scrape just keeps the last values
 
         await asyncio.gather(*(one(h) for h in self.engines if h.healthy))
+
+    # ---- membership (engine discovery) ----
+    async def add(self, client: EngineBackend) -> EngineHandle:
+        """A new engine, health-checked before it is routed to."""
+        handle = EngineHandle(client, self.max_concurrency_per_engine)
+        self.engines.append(handle)
+        await self._check(handle)
+        return handle
+
+    def retire(self, handle: EngineHandle) -> None:
+        """Stops routing to `handle`; its client closes when its last in-flight request releases it."""
+        if handle in self.engines:
+            self.engines.remove(handle)
+        handle.retired = True
+        self._next = 0
+        if handle.outstanding == 0:
+            self._close_later(handle)
+
+    def _close_later(self, handle: EngineHandle) -> None:
+        task = asyncio.get_running_loop().create_task(handle.client.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     def mark_unhealthy(self, handle: EngineHandle, reason: str) -> None:
         self._set_health(handle, False, reason)
@@ -158,6 +184,8 @@ class EnginePool:
 
     def release(self, handle: EngineHandle) -> None:
         handle.outstanding -= 1
+        if handle.retired and handle.outstanding == 0:
+            self._close_later(handle)
         self._notify()
 
     # ---- views ----

@@ -19,6 +19,7 @@ from services.gateway.auth import Authenticator
 from services.gateway.batching import RequestBatcher
 from services.gateway.config import GatewayConfig
 from services.gateway.engine_client import EngineBackend
+from services.gateway.engine_discovery import EngineDiscovery
 from services.gateway.engine_pool import EnginePool
 from services.gateway.engine_stats_collector import EngineStatsCollector
 from services.gateway.metrics import GatewayMetrics
@@ -61,6 +62,7 @@ class Gateway:
         self.chat = OpenAIServingChat(self.serving)
         self.completion = OpenAIServingCompletion(self.serving)
         self.replay = ReplayRunner()
+        self.discovery: EngineDiscovery | None = None  # set by `hintserve gateway --discover-engines`
         self.app = build_app(self)
 
     @property
@@ -72,6 +74,8 @@ class Gateway:
 
     async def start(self) -> None:
         await self.pool.start()
+        if self.discovery is not None:
+            await self.discovery.start()
         names = {h.model_info.get("model") for h in self.pool.engines if h.model_info}
         if len(names) > 1:
             log.warning(
@@ -81,6 +85,8 @@ class Gateway:
             log.warning("no engine is healthy yet; requests get 503 until one is")
 
     async def stop(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.stop()
         await self.pool.stop()
 
 

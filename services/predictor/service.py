@@ -16,10 +16,11 @@ import time
 from collections import Counter
 
 from google.protobuf.message import DecodeError
-from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client import Counter as PromCounter
 
 from services.common.broker import CONTEXT_STREAM, PREDICTOR_GROUP, Broker, BrokerUnavailable, hint_channel
+from services.common.metrics_http import MetricsEndpoint
 from services.common.protos import predictor_pb2 as pb
 from services.predictor.hub import CapacityExceeded, PredictorHub
 from services.predictor.messages import InvalidInput
@@ -52,18 +53,17 @@ class ServiceMetrics:
             "hintserve_predictor_broker_connected", "1 while the broker answers", registry=r
         )
         self.models = Gauge("hintserve_predictor_models", "Models with a predictor state", registry=r)
-        self._server = None
+        self._endpoint: MetricsEndpoint | None = None
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Starts /metrics on a daemon thread; returns the bound port (0 picks a free one)."""
-        self._server, _ = start_http_server(port, host, registry=self.registry)
-        return self._server.server_port
+        self._endpoint = MetricsEndpoint(self.registry, host, port)
+        return self._endpoint.port
 
     def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        if self._endpoint is not None:
+            self._endpoint.close()
+            self._endpoint = None
 
 
 class PredictorService:

@@ -17,8 +17,10 @@ import sys
 from typing import Any
 
 from services.common.broker import CONTEXT_STREAM
+from services.common.metrics_http import add_metrics_args
 
 REDIS_URL_ENV = "HINTSERVE_REDIS_URL"
+PREDICTOR_METRICS_PORT = 9464  # OpenTelemetry's Prometheus exporter port, free on most hosts
 
 
 def register(subparsers: Any) -> None:
@@ -38,8 +40,7 @@ def add_service_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--snapshot-interval-s", type=float, default=60.0, help="0: only on shutdown")
     g.add_argument("--grpc-host", default="127.0.0.1")
     g.add_argument("--grpc-port", type=int, default=50061, help="0 picks a free port, -1 disables gRPC")
-    g.add_argument("--metrics-host", default="127.0.0.1")
-    g.add_argument("--metrics-port", type=int, default=9464, help="Prometheus /metrics; 0 free port, -1 off")
+    add_metrics_args(g, default_port=PREDICTOR_METRICS_PORT, what="predictor")
     g.add_argument("--stream", default=CONTEXT_STREAM, help="the engines' context stream")
     g.add_argument("--group", default=None, help="consumer group (default hintserve-predictor[:engine ids])")
     g.add_argument("--consumer", default=None, help="consumer name in the group; keep it across restarts to resume")
