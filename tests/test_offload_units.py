@@ -153,3 +153,36 @@ def test_lookahead_evicts_the_layer_needed_last() -> None:
     # At layer 2: layer 1 was just computed, so it comes round last; within it, the less likely expert.
     assert policy.victim(candidates, _ctx(), 2) == (1, 1)
     assert policy.victim([(3, 0), (0, 0)], _ctx(), 2) == (0, 0)
+
+
+def test_next_use_keeps_what_comes_round_soonest_and_is_likely() -> None:
+    policy = EVICTION_POLICIES["next-use"](4, 4)
+    for layer in range(4):  # one decode step: layer l used experts l and l+1 (mod 4)
+        policy.on_layer_routed(layer, [0.25] * 4, _ctx())
+        for expert in (layer, (layer + 1) % 4):
+            policy.on_access((layer, expert), _ctx())
+    # At layer 1: layer 2 comes next (1 hop), layer 0 last (3 hops). Same use rate: the far one goes.
+    assert policy.victim([(0, 0), (2, 2)], _ctx(), 1) == (0, 0)
+    # An expert its layer never used goes before a used one, however near.
+    assert policy.victim([(0, 0), (2, 0)], _ctx(), 1) == (2, 0)
+    # A prediction for the next visit overrides the use rate, until that layer is routed.
+    policy.on_prediction((2, 0), 0.9)
+    assert policy.victim([(0, 0), (2, 0)], _ctx(), 1) == (0, 0)
+    policy.on_layer_routed(2, [0.25] * 4, _ctx())
+    assert (2, 0) not in policy.predicted
+
+
+def test_next_use_and_belady_admit_only_prefetches_worth_their_victim() -> None:
+    policy = EVICTION_POLICIES["next-use"](4, 4)
+    policy.on_layer_routed(0, [0.25] * 4, _ctx())
+    policy.on_access((0, 1), _ctx())  # layer 0 reused expert 1: rate 0.5, comes round in 4 hops at layer 0
+    policy.on_prediction((1, 3), 0.8)  # the next layer will likely want expert 3
+    policy.on_prediction((3, 2), 0.3)  # a weak guess three layers ahead
+    assert policy.admit((1, 3), (0, 1), _ctx(), 0)  # 0.8 / 1 hop > 0.5 / 4 hops
+    assert not policy.admit((3, 2), (1, 3), _ctx(), 0)  # never displace a likelier, nearer expert
+
+    trace = RoutingTrace(2, [[[0], [1]], [[2], [1]], [[0], [3]]])
+    belady = EVICTION_POLICIES["belady"](trace)
+    # At step 0 layer 0: (1, 1) is used at step 0 layer 1, (0, 2) at step 1, (1, 3) only at step 2.
+    assert belady.admit((0, 2), (1, 3), _ctx(0), 0)
+    assert not belady.admit((1, 3), (1, 1), _ctx(0), 0)

@@ -36,12 +36,15 @@ def _require_model(model: str) -> None:
 
 
 def _policies(text: str) -> list[str]:
+    from services.engine.offload.eviction import EVICTION_POLICIES
     from services.engine.offload.policies import POLICIES
 
     policies = list(POLICIES) if text == "all" else text.split(",")
-    unknown = [p for p in policies if p not in POLICIES]
+    unknown = [p for p in policies if p.partition("@")[0] not in POLICIES
+               or p.partition("@")[2] not in ("", *EVICTION_POLICIES)]
     if unknown:
-        raise ValueError(f"unknown policies {unknown}; choose from: {', '.join(POLICIES)} or all")
+        raise ValueError(f"unknown policies {unknown}; choose from: {', '.join(POLICIES)} or all "
+                         f"(POLICY@EVICTION swaps the eviction: {', '.join(EVICTION_POLICIES)})")
     return policies
 
 

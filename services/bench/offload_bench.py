@@ -117,9 +117,10 @@ def run_offload_bench(
         reference.close()
         for policy in policies:
             samples = []
+            name, _, eviction = policy.partition("@")  # "policy@eviction" swaps the policy's eviction
             for _ in range(repeats):
                 engine = LLMEngine(EngineConfig(
-                    model=model_dir, max_num_seqs=max(batch, 1), offload_policy=policy,
+                    model=model_dir, max_num_seqs=max(batch, 1), offload_policy=name, eviction=eviction or None,
                     expert_cache_fraction=cache, link_ratio=ratio, routing_trace=trace_path,
                     device=device, link=link,
                 ))

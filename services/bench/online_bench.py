@@ -44,8 +44,11 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 180.0) -> Non
 
 
 def _serve(model: str, policy: str, port: int, cache: float, ratio: float) -> subprocess.Popen:
+    name, _, eviction = policy.partition("@")
     cmd = [sys.executable, "-m", "services.cli", "serve", "--model", model, "--port", str(port),
-           "--offload-policy", policy, "--expert-cache-fraction", str(cache), "--link-ratio", str(ratio)]
+           "--offload-policy", name, "--expert-cache-fraction", str(cache), "--link-ratio", str(ratio)]
+    if eviction:
+        cmd += ["--eviction", eviction]
     env = {**os.environ, "HINTSERVE_API_KEYS": ""}
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
 

@@ -77,18 +77,26 @@ class ExpertCache:
     def num_available(self, include_protected: bool) -> int:
         return len(self._free) + len(self.evictable(include_protected))
 
+    def choose_victim(self, ctx: StepContext | None, layer_now: int, include_protected: bool) -> Key | None:
+        """The key `acquire` would evict; None while a slot is free or nothing is evictable."""
+        if self._free:
+            return None
+        candidates = self.evictable(include_protected)
+        return self.eviction.victim(candidates, ctx, layer_now) if candidates else None
+
     def acquire(
-        self, key: Key, ctx: StepContext | None, layer_now: int, include_protected: bool
+        self, key: Key, ctx: StepContext | None, layer_now: int, include_protected: bool, victim: Key | None = None
     ) -> tuple[Slot | None, Slot | None]:
-        """A slot for `key`: a free one, else the eviction policy's victim. Returns (slot, evicted-slot copy)."""
+        """A slot for `key`: a free one, else `victim` or the eviction policy's choice.
+
+        Returns (slot, evicted-slot copy)."""
         if self._free:
             slot = self.slots[self._free.pop()]
             evicted = None
         else:
-            candidates = self.evictable(include_protected)
-            if not candidates:
+            victim_key = victim or self.choose_victim(ctx, layer_now, include_protected)
+            if victim_key is None:
                 return None, None
-            victim_key = self.eviction.victim(candidates, ctx, layer_now)
             slot = self._slot_of.pop(victim_key)
             evicted = Slot(slot.index, victim_key, prefetched=slot.prefetched)
             self.eviction.on_evict(victim_key)

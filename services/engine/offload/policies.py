@@ -37,8 +37,8 @@ POLICIES: dict[str, OffloadPolicy] = {
                       prefetchers=("speculative",)),
         OffloadPolicy("duoserve", "prefill streamed through top-k slots + decode affinity prefetch (DuoServe)",
                       prefetchers=("affinity",), rules=PhaseRules(stream_prefill=True)),
-        OffloadPolicy("oracle", "perfect prefetch replaying a recorded routing trace (the prediction bound)",
-                      eviction="lookahead", prefetchers=("oracle",), needs_trace=True),
+        OffloadPolicy("oracle", "perfect prefetch + Belady replacement from a recorded routing trace (the bound)",
+                      eviction="belady", prefetchers=("oracle",), needs_trace=True),
         OffloadPolicy("belady", "no prefetch, Belady's optimal eviction from a recorded trace (the caching bound)",
                       eviction="belady", needs_trace=True),
         OffloadPolicy("moe-infinity", "EAM cache priority + prefetch hints from the predictor's EAMC (MoE-Infinity)",
@@ -48,7 +48,8 @@ POLICIES: dict[str, OffloadPolicy] = {
         OffloadPolicy("finemoe", "1/(p*freq) eviction + prefetch hints from the predictor's expert maps (FineMoE)",
                       eviction="finemoe", prefetchers=("hints",), predictor="expert-map"),
         OffloadPolicy("hintserve", "ours: local skip-gate for near layers, predictor hints for far layers and "
-                      "the next iteration, layer-lookahead eviction", eviction="lookahead",
+                      "the next iteration, next-use eviction that admits only prefetches worth their victim",
+                      eviction="next-use",
                       prefetchers=("speculative", "hints"), predictor="expert-map"),
     )
 }

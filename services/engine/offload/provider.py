@@ -198,13 +198,17 @@ class OffloadedExpertProvider(ExpertProvider):
         eviction = self.cache.eviction
         for req in sorted(requests, key=lambda r: -r.priority):
             key = (req.layer, req.expert)
-            eviction.on_prediction(key, req.priority)
+            eviction.on_prediction(key, req.priority if req.probability is None else req.probability)
             if self.cache.lookup(key) is not None:
                 continue
             # Leave room for this layer's own misses; never evict other protected prefetches.
             if self.cache.num_available(include_protected=False) <= len(self._pending):
                 return
-            slot, evicted = self.cache.acquire(key, ctx, self._layer, include_protected=False)
+            victim = self.cache.choose_victim(ctx, self._layer, include_protected=False)
+            if victim is not None and not eviction.admit(key, victim, ctx, self._layer):
+                self.stats.prefetches_declined += 1
+                continue
+            slot, evicted = self.cache.acquire(key, ctx, self._layer, include_protected=False, victim=victim)
             if slot is None:
                 return
             self._account_eviction(evicted)

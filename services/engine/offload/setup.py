@@ -78,7 +78,7 @@ def make_eviction(name: str, config: EngineConfig, spec: ModelSpec, slots: int) 
         raise ValueError(f"unknown eviction policy {name!r}; choose from: {', '.join(EVICTION_POLICIES)}")
     if name == "lookahead":
         return EVICTION_POLICIES[name](spec.num_layers)  # type: ignore[call-arg]
-    if name == "eam":
+    if name in ("eam", "next-use"):
         return EVICTION_POLICIES[name](spec.num_layers, spec.num_experts)  # type: ignore[call-arg]
     if name == "belady":
         return EVICTION_POLICIES[name](_trace(config, name))  # type: ignore[call-arg]

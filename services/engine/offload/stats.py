@@ -18,6 +18,7 @@ class OffloadStats:
     prefetches_issued: int = 0
     prefetches_used: int = 0  # prefetched experts the router then asked for
     prefetches_cancelled: int = 0
+    prefetches_declined: int = 0  # the eviction policy would not let the prefetch displace its victim
     evictions: int = 0
     slots_total: int = 0
     slots_occupied: int = 0
@@ -63,6 +64,7 @@ class OffloadStats:
             offload_prefetches_issued_total=float(self.prefetches_issued),
             offload_prefetches_used_total=float(self.prefetches_used),
             offload_prefetches_cancelled_total=float(self.prefetches_cancelled),
+            offload_prefetches_declined_total=float(self.prefetches_declined),
             offload_evictions_total=float(self.evictions),
             offload_prefetch_precision=self.prefetch_precision(),
             offload_prefetch_recall=self.prefetch_recall(),

@@ -9,6 +9,7 @@ from services.engine.offload.eviction.finemoe import FineMoEEviction
 from services.engine.offload.eviction.lfu import LFUEviction
 from services.engine.offload.eviction.lookahead import LookaheadEviction
 from services.engine.offload.eviction.lru import LRUEviction
+from services.engine.offload.eviction.next_use import NextUseEviction
 from services.engine.offload.eviction.static import StaticEviction
 
 EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
@@ -19,6 +20,7 @@ EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
     "static": StaticEviction,
     "belady": BeladyEviction,
     "lookahead": LookaheadEviction,
+    "next-use": NextUseEviction,
 }
 
 __all__ = ["EVICTION_POLICIES", "EvictionPolicy"]

@@ -32,6 +32,10 @@ class EvictionPolicy(ABC):
     def on_step_end(self, ctx: StepContext) -> None:  # noqa: B027 - optional hook
         """The step's last layer has run."""
 
+    def admit(self, key: Key, victim: Key, ctx: StepContext | None, layer_now: int) -> bool:
+        """May a prefetch of `key` evict `victim`? (demand fetches always may)"""
+        return True
+
     @abstractmethod
     def victim(self, candidates: list[Key], ctx: StepContext | None, layer_now: int) -> Key:
         """The slot to free among `candidates` (never empty; pinned and loading slots are excluded)."""

@@ -16,3 +16,7 @@ class BeladyEviction(EvictionPolicy):
     def victim(self, candidates: list[Key], ctx: StepContext | None, layer_now: int) -> Key:
         step = self.trace.replay_step(ctx)
         return max(candidates, key=lambda k: self.trace.next_use(k, step, layer_now))
+
+    def admit(self, key: Key, victim: Key, ctx: StepContext | None, layer_now: int) -> bool:
+        step = self.trace.replay_step(ctx)
+        return self.trace.next_use(key, step, layer_now) < self.trace.next_use(victim, step, layer_now)

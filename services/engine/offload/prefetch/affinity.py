@@ -43,7 +43,7 @@ class AffinityPrefetcher(Prefetcher):
         probs = self.scores(layer, selected.cpu())
         _, target, next_step = targets(layer, 1, self.moe_layers)[0]
         chosen = torch.topk(probs, min(self.count * max(1, selected.shape[0]), self.num_experts)).indices
-        return [PrefetchRequest(target, int(e), float(probs[e]), next_step) for e in chosen.tolist()]
+        return [PrefetchRequest(target, int(e), float(probs[e]), next_step, float(probs[e])) for e in chosen.tolist()]
 
     def on_step_end(self, ctx: StepContext) -> None:
         E = self.num_experts

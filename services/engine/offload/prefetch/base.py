@@ -14,6 +14,7 @@ class PrefetchRequest:
     expert: int
     priority: float  # higher first
     next_step: bool = False  # for the following step (wrapping past the last layer)
+    probability: float | None = None  # that the target layer asks for it (eviction's view); None: priority
 
 
 class Prefetcher(ABC):

@@ -124,7 +124,7 @@ class HintPrefetcher(Prefetcher):
                         key = (target, expert, next_step)
                         miss[key] = miss.get(key, 1.0) * (1.0 - min(max(p, 0.0), 1.0))
                         hops_of[key] = hops
-        return [PrefetchRequest(t, e, (1.0 - q) / hops_of[(t, e, n)], n) for (t, e, n), q in miss.items()]
+        return [PrefetchRequest(t, e, (1.0 - q) / hops_of[(t, e, n)], n, 1.0 - q) for (t, e, n), q in miss.items()]
 
     def on_step_end(self, ctx: StepContext) -> None:
         with self._lock:

@@ -20,5 +20,5 @@ class OraclePrefetcher(Prefetcher):
         requests = []
         for hops, target, next_step in targets(layer, self.distance, self.moe_layers):
             experts = self.trace.experts(step + int(next_step), target)
-            requests += [PrefetchRequest(target, e, 1.0 / hops, next_step) for e in experts]
+            requests += [PrefetchRequest(target, e, 1.0 / hops, next_step, 1.0) for e in experts]
         return requests

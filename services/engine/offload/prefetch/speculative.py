@@ -24,18 +24,39 @@ class SpeculativePrefetcher(Prefetcher):
         self.weights = weights
         self.distance = distance
         self.top_k = spec.top_k + extra  # extra > 0 trades link bandwidth for recall
+        # Precision of this step's guesses, measured against the router once the step has run: turns a
+        # guess into the probability the eviction policy weighs it with.
+        self.precision = 0.8
+        self._guesses: dict[int, set[int]] = {}  # same-step target layer -> experts guessed
 
     def scores(self, layer: int, target: int, ctx: StepContext) -> torch.Tensor:
-        """Mean predicted router probability per expert of `target`, from `layer`'s input hidden state."""
+        """Predicted router probability per token and expert of `target`, from `layer`'s input hidden state."""
         w = self.weights.layers[target]
         x = rms_norm(ctx.layer_inputs[layer], w.post_attention_norm, self.spec.rms_norm_eps)
         return torch.softmax(F.linear(x, w.router).float(), dim=-1)  # type: ignore[arg-type]
 
     def plan(self, layer: int, ctx: StepContext) -> list[PrefetchRequest]:
         requests = []
+        miss = 1.0 - self.precision
         for hops, target, next_step in targets(layer, self.distance, self.spec.moe_layers):
             probs = self.scores(layer, target, ctx)
-            chosen = torch.topk(probs, self.top_k, dim=-1).indices.unique().tolist()
+            chosen = torch.topk(probs, self.top_k, dim=-1).indices
+            experts, votes = chosen.flatten().unique(return_counts=True)
             mean = probs.mean(dim=0)
-            requests += [PrefetchRequest(target, e, float(mean[e]) / hops, next_step) for e in chosen]
+            for e, n in zip(experts.tolist(), votes.tolist()):
+                p_used = 1.0 - miss**n  # some token of the batch routes to e
+                requests.append(PrefetchRequest(target, e, float(mean[e]) / hops, next_step, p_used))
+            if not next_step:
+                self._guesses.setdefault(target, set()).update(experts.tolist())
         return requests
+
+    def on_step_end(self, ctx: StepContext) -> None:
+        right = total = 0
+        for target, guessed in self._guesses.items():
+            actual = ctx.selected_experts.get(target)
+            if actual is not None:
+                right += len(guessed & set(actual.flatten().tolist()))
+                total += len(guessed)
+        self._guesses.clear()
+        if total:
+            self.precision = 0.9 * self.precision + 0.1 * right / total
