@@ -74,7 +74,7 @@ class LLMEngine:
 
     def _num_kv_blocks(self, itemsize: int) -> int:
         cfg, spec = self.config, self.spec
-        bytes_per_block = 2 * spec.num_layers * cfg.block_size * spec.num_kv_heads * spec.head_dim * itemsize
+        bytes_per_block = cfg.block_size * spec.kv_cache_elems_per_token * itemsize
         if cfg.kv_cache_mb is not None:
             return max(1, cfg.kv_cache_mb * (1 << 20) // bytes_per_block)
         wanted = cfg.max_num_seqs * math.ceil(self.max_model_len / cfg.block_size)
@@ -140,7 +140,7 @@ class LLMEngine:
         del self._streams[request_id]
         seq, _ = entry
         self.scheduler.abort(request_id)
-        self.counters[_finished('abort')] += 1
+        self.counters[_finished("abort")] += 1
         return RequestOutput(
             request_id, "", [], seq.num_prompt_tokens, seq.num_completion_tokens, True, "abort", seq.serial
         )
@@ -208,10 +208,11 @@ class LLMEngine:
         if self.config.device.startswith("cuda"):
             return torch.cuda.max_memory_allocated(self.config.device)
         m = self.model
-        tensors = [m.w.embed, m.w.lm_head, m.w.final_norm, *m.k_caches, *m.v_caches]
+        tensors = [m.w.embed, m.w.lm_head, m.w.final_norm, *m.kv_cache_tensors]
         for layer in m.w.layers:
             tensors += [t for t in vars(layer.attention).values() if isinstance(t, torch.Tensor)]
-            tensors += [t for t in (layer.input_norm, layer.post_attention_norm, layer.router) if t is not None]
+            norms_and_router = (layer.input_norm, layer.post_attention_norm, layer.router, layer.router_bias)
+            tensors += [t for t in norms_and_router if t is not None]
             for mlp in (layer.dense_mlp, layer.shared_expert):
                 if mlp is not None:
                     tensors += [mlp.gate_up, mlp.down]

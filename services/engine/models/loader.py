@@ -53,6 +53,11 @@ def load_model(
     hf_config = load_hf_config(model_dir)
     spec = spec_from_config(hf_config)
     ckpt = Checkpoint(model_dir)
+    if any(name.endswith("weight_scale_inv") for name in ckpt.names()):
+        # Reading these as plain weights would silently drop the block scales.
+        raise ValueError(
+            f"{model_dir} holds FP8 block-quantised weights (DeepSeek-V3's release); convert to bf16"
+        )
     if isinstance(dtype, torch.dtype):
         torch_dtype = dtype
     elif dtype == "auto":

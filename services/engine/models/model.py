@@ -14,9 +14,11 @@ from services.engine.models.attention import (
     rms_norm,
     write_kv,
 )
+from services.engine.models.mla_attention import mla_attention
 from services.engine.models.moe import moe_forward, swiglu
+from services.engine.models.router import route
 from services.engine.models.spec import ModelSpec
-from services.engine.models.weights import AttentionWeights, LayerWeights, NonExpertWeights
+from services.engine.models.weights import AttentionWeights, LayerWeights, MlaWeights, NonExpertWeights
 from services.engine.step_context import StepContext
 
 
@@ -33,7 +35,7 @@ class MoECausalLM:
         self.spec = spec
         self.w = weights
         self.experts = experts
-        self.scale = spec.head_dim**-0.5
+        self.scale = spec.softmax_scale
         device, dtype = weights.embed.device, weights.embed.dtype
         positions = torch.arange(max_len, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
@@ -42,12 +44,21 @@ class MoECausalLM:
         self.sin = (emb.sin() * rope_scaling).to(device=device, dtype=dtype)
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
+        self.latent_caches: list[torch.Tensor] = []  # MLA: [slots, kv_lora_rank + qk_rope_head_dim] per layer
 
     def allocate_kv_cache(self, num_slots: int) -> None:
+        e, layers = self.w.embed, range(self.spec.num_layers)
+        if self.spec.mla is not None:
+            shape: tuple[int, ...] = (num_slots, self.spec.mla.latent_width)
+            self.latent_caches = [torch.zeros(shape, dtype=e.dtype, device=e.device) for _ in layers]
+            return
         shape = (num_slots, self.spec.num_kv_heads, self.spec.head_dim)
-        e = self.w.embed
-        self.k_caches = [torch.zeros(shape, dtype=e.dtype, device=e.device) for _ in range(self.spec.num_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=e.dtype, device=e.device) for _ in range(self.spec.num_layers)]
+        self.k_caches = [torch.zeros(shape, dtype=e.dtype, device=e.device) for _ in layers]
+        self.v_caches = [torch.zeros(shape, dtype=e.dtype, device=e.device) for _ in layers]
+
+    @property
+    def kv_cache_tensors(self) -> list[torch.Tensor]:
+        return [*self.k_caches, *self.v_caches, *self.latent_caches]
 
     @torch.inference_mode()
     def forward(
@@ -61,7 +72,11 @@ class MoECausalLM:
         for i, layer in enumerate(self.w.layers):
             residual = h
             x = rms_norm(h, layer.input_norm, spec.rms_norm_eps)
-            h = residual + self._attention(i, layer.attention, x, cos, sin, meta)
+            if isinstance(layer.attention, MlaWeights):
+                attn = mla_attention(x, layer.attention, self.latent_caches[i], cos, sin, meta, spec)
+            else:
+                attn = self._attention(i, layer.attention, x, cos, sin, meta)
+            h = residual + attn
             ctx.layer_inputs[i] = h  # the residual stream entering the MoE block (speculative prefetch)
             x = rms_norm(h, layer.post_attention_norm, spec.rms_norm_eps)
             h = h + self._mlp(i, layer, x, ctx)
@@ -105,10 +120,11 @@ class MoECausalLM:
     def _mlp(self, i: int, layer: LayerWeights, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         if layer.dense_mlp is not None:
             return swiglu(x, layer.dense_mlp.gate_up, layer.dense_mlp.down)
-        out = moe_forward(
-            x, i, layer.router, self.spec.top_k, self.spec.norm_topk_prob, self.experts, ctx  # type: ignore[arg-type]
-        )
+        routing = route(self.spec, x, layer.router, layer.router_bias)  # type: ignore[arg-type]
+        out = moe_forward(x, i, routing, self.experts, ctx)
         if layer.shared_expert is not None:
             shared = swiglu(x, layer.shared_expert.gate_up, layer.shared_expert.down)
-            out = out + torch.sigmoid(F.linear(x, layer.shared_expert_gate)) * shared  # type: ignore[arg-type]
+            if layer.shared_expert_gate is not None:  # Qwen2-MoE gates its shared expert per token
+                shared = torch.sigmoid(F.linear(x, layer.shared_expert_gate)) * shared
+            out = out + shared
         return out

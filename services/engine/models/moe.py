@@ -1,4 +1,4 @@
-"""The MoE layer: router, top-k, grouping of tokens by expert, one matmul pair per active expert."""
+"""The MoE layer: grouping of tokens by expert, one matmul pair per active expert, weighted sum."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.expert_provider import ExpertProvider
-from services.engine.models.router import softmax_topk
+from services.engine.models.router import Routing
 from services.engine.step_context import StepContext
 
 
@@ -16,24 +16,19 @@ def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.
 
 
 def moe_forward(
-    x: torch.Tensor,
-    layer: int,
-    router_weight: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-    provider: ExpertProvider,
-    ctx: StepContext,
+    x: torch.Tensor, layer: int, routing: Routing, provider: ExpertProvider, ctx: StepContext
 ) -> torch.Tensor:
     """x: [tokens, hidden] -> [tokens, hidden], the weighted sum of each token's top-k experts."""
-    weights, experts, probs = softmax_topk(F.linear(x, router_weight), top_k, renormalize)
+    weights, experts, probs = routing
     ctx.router_probs[layer] = probs
     ctx.selected_experts[layer] = experts
+    top_k = experts.shape[1]
 
     flat_experts = experts.flatten()
     order = torch.argsort(flat_experts, stable=True)  # assignments grouped by expert, tokens ascending
     token_of_assignment = order // top_k
     weight_of_assignment = weights.flatten()[order, None]
-    counts = torch.bincount(flat_experts, minlength=router_weight.shape[0]).tolist()
+    counts = torch.bincount(flat_experts, minlength=probs.shape[-1]).tolist()
     offsets = [0]
     for c in counts:
         offsets.append(offsets[-1] + c)

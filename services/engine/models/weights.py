@@ -30,8 +30,25 @@ class AttentionWeights:
 
 
 @dataclass
+class MlaWeights:
+    """DeepSeek's Multi-head Latent Attention projections (transformers' names after each field)."""
+
+    q: torch.Tensor | None  # q_proj: hidden -> heads * qk_head_dim, when q_lora_rank is None
+    q_a: torch.Tensor | None  # q_a_proj: hidden -> q_lora_rank (then q_a_layernorm, q_b_proj)
+    q_a_bias: torch.Tensor | None
+    q_a_norm: torch.Tensor | None
+    q_b: torch.Tensor | None  # q_b_proj: q_lora_rank -> heads * qk_head_dim
+    kv_a: torch.Tensor  # kv_a_proj_with_mqa: hidden -> kv_lora_rank + qk_rope_head_dim
+    kv_a_bias: torch.Tensor | None
+    kv_a_norm: torch.Tensor  # kv_a_layernorm over the latent
+    kv_b: torch.Tensor  # kv_b_proj: kv_lora_rank -> heads * (qk_nope_head_dim + v_head_dim)
+    o: torch.Tensor  # o_proj: heads * v_head_dim -> hidden
+    o_bias: torch.Tensor | None
+
+
+@dataclass
 class MlpWeights:
-    """A dense SwiGLU MLP (dense layers, Qwen2-MoE's shared expert)."""
+    """A dense SwiGLU MLP (dense layers, shared experts)."""
 
     gate_up: torch.Tensor
     down: torch.Tensor
@@ -41,11 +58,12 @@ class MlpWeights:
 class LayerWeights:
     input_norm: torch.Tensor
     post_attention_norm: torch.Tensor
-    attention: AttentionWeights
+    attention: AttentionWeights | MlaWeights
     router: torch.Tensor | None  # [num_experts, hidden]; None for dense layers
+    router_bias: torch.Tensor | None  # DeepSeek-V3's e_score_correction_bias, fp32 as transformers keeps it
     dense_mlp: MlpWeights | None
-    shared_expert: MlpWeights | None
-    shared_expert_gate: torch.Tensor | None
+    shared_expert: MlpWeights | None  # always resident: never handed to the expert provider
+    shared_expert_gate: torch.Tensor | None  # Qwen2-MoE's sigmoid gate; DeepSeek's are ungated
 
 
 @dataclass
@@ -64,12 +82,14 @@ class WeightReader:
         self.dtype = dtype
         self.device = device
 
-    def tensor(self, name: str, device: torch.device | str | None = None) -> torch.Tensor:
+    def tensor(
+        self, name: str, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         t = self.ckpt.get(name)
-        return t.to(device=device or self.device, dtype=self.dtype).contiguous()
+        return t.to(device=device or self.device, dtype=dtype or self.dtype).contiguous()
 
-    def optional(self, name: str) -> torch.Tensor | None:
-        return self.tensor(name) if name in self.ckpt else None
+    def optional(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        return self.tensor(name, dtype=dtype) if name in self.ckpt else None
 
 
 def _moe_prefix(ckpt: Checkpoint, layer: int) -> str:
@@ -85,51 +105,78 @@ def _mlp(reader: WeightReader, prefix: str) -> MlpWeights:
     return MlpWeights(torch.cat([gate, up], dim=0), reader.tensor(f"{prefix}.down_proj.weight"))
 
 
+def _attention_weights(reader: WeightReader, a: str) -> AttentionWeights:
+    return AttentionWeights(
+        q=reader.tensor(f"{a}.q_proj.weight"),
+        k=reader.tensor(f"{a}.k_proj.weight"),
+        v=reader.tensor(f"{a}.v_proj.weight"),
+        o=reader.tensor(f"{a}.o_proj.weight"),
+        q_bias=reader.optional(f"{a}.q_proj.bias"),
+        k_bias=reader.optional(f"{a}.k_proj.bias"),
+        v_bias=reader.optional(f"{a}.v_proj.bias"),
+        o_bias=reader.optional(f"{a}.o_proj.bias"),
+        q_norm=reader.optional(f"{a}.q_norm.weight"),
+        k_norm=reader.optional(f"{a}.k_norm.weight"),
+    )
+
+
+def _mla_weights(reader: WeightReader, a: str) -> MlaWeights:
+    return MlaWeights(
+        q=reader.optional(f"{a}.q_proj.weight"),
+        q_a=reader.optional(f"{a}.q_a_proj.weight"),
+        q_a_bias=reader.optional(f"{a}.q_a_proj.bias"),
+        q_a_norm=reader.optional(f"{a}.q_a_layernorm.weight"),
+        q_b=reader.optional(f"{a}.q_b_proj.weight"),
+        kv_a=reader.tensor(f"{a}.kv_a_proj_with_mqa.weight"),
+        kv_a_bias=reader.optional(f"{a}.kv_a_proj_with_mqa.bias"),
+        kv_a_norm=reader.tensor(f"{a}.kv_a_layernorm.weight"),
+        kv_b=reader.tensor(f"{a}.kv_b_proj.weight"),
+        o=reader.tensor(f"{a}.o_proj.weight"),
+        o_bias=reader.optional(f"{a}.o_proj.bias"),
+    )
+
+
 def load_non_expert_weights(reader: WeightReader, spec: ModelSpec) -> NonExpertWeights:
+    read_attention = _mla_weights if spec.mla else _attention_weights
     layers = []
     for i in range(spec.num_layers):
         p = f"model.layers.{i}"
-        a = f"{p}.self_attn"
-        attention = AttentionWeights(
-            q=reader.tensor(f"{a}.q_proj.weight"),
-            k=reader.tensor(f"{a}.k_proj.weight"),
-            v=reader.tensor(f"{a}.v_proj.weight"),
-            o=reader.tensor(f"{a}.o_proj.weight"),
-            q_bias=reader.optional(f"{a}.q_proj.bias"),
-            k_bias=reader.optional(f"{a}.k_proj.bias"),
-            v_bias=reader.optional(f"{a}.v_proj.bias"),
-            o_bias=reader.optional(f"{a}.o_proj.bias"),
-            q_norm=reader.optional(f"{a}.q_norm.weight"),
-            k_norm=reader.optional(f"{a}.k_norm.weight"),
-        )
-        router = dense = shared = shared_gate = None
+        router = router_bias = dense = shared = shared_gate = None
         if spec.moe_layers[i]:
             moe = _moe_prefix(reader.ckpt, i)
             router = reader.tensor(f"{moe}.gate.weight")
+            router_bias = reader.optional(f"{moe}.gate.e_score_correction_bias", dtype=torch.float32)
             if spec.shared_expert_intermediate_size:
-                shared = _mlp(reader, f"{moe}.shared_expert")
-                shared_gate = reader.tensor(f"{moe}.shared_expert_gate.weight")
+                # Qwen2-MoE names one gated "shared_expert"; DeepSeek fuses its n_shared_experts into one MLP.
+                name = "shared_expert" if spec.model_type == "qwen2_moe" else "shared_experts"
+                shared = _mlp(reader, f"{moe}.{name}")
+                shared_gate = reader.optional(f"{moe}.shared_expert_gate.weight")
         else:
             dense = _mlp(reader, f"{p}.mlp")
         layers.append(
             LayerWeights(
                 input_norm=reader.tensor(f"{p}.input_layernorm.weight"),
                 post_attention_norm=reader.tensor(f"{p}.post_attention_layernorm.weight"),
-                attention=attention,
+                attention=read_attention(reader, f"{p}.self_attn"),
                 router=router,
+                router_bias=router_bias,
                 dense_mlp=dense,
                 shared_expert=shared,
                 shared_expert_gate=shared_gate,
             )
         )
     embed = reader.tensor("model.embed_tokens.weight")
-    lm_head = embed if spec.tie_word_embeddings or "lm_head.weight" not in reader.ckpt else reader.tensor(
-        "lm_head.weight"
+    lm_head = (
+        embed
+        if spec.tie_word_embeddings or "lm_head.weight" not in reader.ckpt
+        else reader.tensor("lm_head.weight")
     )
     return NonExpertWeights(embed, reader.tensor("model.norm.weight"), lm_head, layers)
 
 
-def expert_loader(reader: WeightReader, spec: ModelSpec, layer: int) -> Callable[[int, torch.device | str], ExpertWeights]:
+def expert_loader(
+    reader: WeightReader, spec: ModelSpec, layer: int
+) -> Callable[[int, torch.device | str], ExpertWeights]:
     """A function reading one expert of `layer` (by index) onto a device, whatever the on-disk layout."""
     prefix = _moe_prefix(reader.ckpt, layer)
     fused = f"{prefix}.experts.gate_up_proj"
