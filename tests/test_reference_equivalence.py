@@ -5,14 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
+from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
 from services.engine.config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine.models.attention import AttentionMetadata
 from services.engine.models.loader import load_model
+from services.engine.models.router import route
+from services.engine.models.spec import spec_from_config
 from services.engine.sampling_params import SamplingParams
 from services.engine.step_context import Phase, StepContext
-from tests.tiny_models import FAMILIES, VOCAB, build_tiny_model
+from tests.tiny_models import FAMILIES, VOCAB, build_tiny_model, deepseek_config
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -46,7 +50,39 @@ def test_greedy_tokens_match_transformers_generate(family: str, tiny_model_dirs:
     prompts = [_prompt(n, seed=n) for n in (7, 19)]
     ours = engine.generate(prompts, params)
     for prompt, tokens in zip(prompts, ours):
+        # ignore_eos: the reference must neither stop at EOS nor suppress it (as min_new_tokens would).
         expected = reference.generate(
-            torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False
+            torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None
         )[0, len(prompt) :].tolist()
-        assert tokens == expected
+        assert len(expected) == 32 and tokens == expected
+
+
+@pytest.mark.parametrize(
+    "family,overrides",
+    [
+        ("deepseek_v2", {"topk_method": "greedy"}),
+        ("deepseek_v2", {"n_group": 4, "topk_group": 1, "num_experts_per_tok": 3}),
+        ("deepseek_v3", {"n_group": 1, "topk_group": 1}),
+        ("deepseek_v3", {"n_group": 4, "topk_group": 2, "num_experts_per_tok": 3}),
+        ("deepseek_v3", {"norm_topk_prob": False}),
+    ],
+)
+def test_deepseek_router_rules_match_transformers(family: str, overrides: dict) -> None:
+    """Grouped top-k, scaling, renormalisation and V3's selection-only bias, on many tokens at once."""
+    torch.manual_seed(0)
+    cfg, _ = deepseek_config(family, **overrides)
+    reference = (DeepseekV3TopkRouter if family == "deepseek_v3" else DeepseekV2TopkRouter)(cfg)
+    torch.nn.init.normal_(reference.weight, std=0.2)
+    bias = getattr(reference, "e_score_correction_bias", None)
+    if bias is not None:
+        bias.normal_(std=0.1)
+    x = torch.randn(512, cfg.hidden_size)
+    with torch.no_grad():
+        logits, ref_weights, ref_experts = reference(x)
+        ours = route(spec_from_config(cfg), x, reference.weight, bias)
+    ref_experts, order = ref_experts.sort(dim=-1)
+    our_experts, our_order = ours.experts.sort(dim=-1)
+    assert torch.equal(our_experts, ref_experts)
+    torch.testing.assert_close(ours.weights.gather(1, our_order), ref_weights.gather(1, order))
+    scores = logits.sigmoid() if family == "deepseek_v3" else logits.softmax(dim=-1)
+    torch.testing.assert_close(ours.probs, scores)  # what StepContext.router_probs records

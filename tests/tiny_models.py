@@ -8,6 +8,10 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
     OlmoeConfig,
@@ -49,22 +53,90 @@ def _config(family: str):
         return MixtralConfig(**COMMON, num_local_experts=8, num_experts_per_tok=2), MixtralForCausalLM
     if family == "qwen2_moe":
         cfg = Qwen2MoeConfig(
-            **COMMON, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
-            shared_expert_intermediate_size=80, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1],
+            **COMMON,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=80,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
         )
         return cfg, Qwen2MoeForCausalLM
     if family == "olmoe":
-        return OlmoeConfig(**COMMON, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False), OlmoeForCausalLM
+        return OlmoeConfig(
+            **COMMON, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False
+        ), OlmoeForCausalLM
     if family == "qwen3_moe":
         cfg = Qwen3MoeConfig(
-            **COMMON, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
-            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0],
+            **COMMON,
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[0],
         )
         return cfg, Qwen3MoeForCausalLM
+    if family.startswith("deepseek"):
+        return deepseek_config(family)
     raise ValueError(family)
 
 
-FAMILIES = ("mixtral", "qwen2_moe", "olmoe", "qwen3_moe")
+def deepseek_config(family: str, **overrides):
+    """A tiny DeepSeek config and its model class: MLA with v_head_dim != qk_head_dim, a dense first layer,
+    shared experts, grouped top-k (V3 also a nonzero selection bias, set in build_tiny_model, and yarn rope).
+
+    The groups are set so that grouping changes the choice: V2 ranks groups by their best expert, so its two
+    best experts always lie in its two best groups; only one eligible group (of four experts) constrains it.
+    """
+    kw = dict(
+        **COMMON,
+        kv_lora_rank=24,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+    )
+    kw["num_key_value_heads"] = kw["num_attention_heads"]  # MLA: one key and value per query head
+    if family in ("deepseek_v2", "deepseek_v2_lite"):  # V2-Lite has no query compression
+        kw.update(
+            q_lora_rank=None if family == "deepseek_v2_lite" else 32,
+            n_shared_experts=2,
+            topk_method="group_limited_greedy",
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=1.5,
+        )
+        return DeepseekV2Config(**{**kw, **overrides}), DeepseekV2ForCausalLM
+    # V3 with yarn rope scaling: attention_factor scales cos/sin, mscale_all_dim the softmax scale.
+    yarn = dict(
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=4.0,
+        original_max_position_embeddings=128,
+        mscale=1.0,
+        mscale_all_dim=0.8,
+        beta_fast=32,
+        beta_slow=1,
+    )
+    kw.update(
+        q_lora_rank=32,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        rope_parameters=yarn,
+    )
+    return DeepseekV3Config(**{**kw, **overrides}), DeepseekV3ForCausalLM
+
+
+FAMILIES = ("mixtral", "qwen2_moe", "olmoe", "qwen3_moe", "deepseek_v2_lite", "deepseek_v2", "deepseek_v3")
 
 
 def save_tokenizer(out_dir: str) -> None:
@@ -93,6 +165,9 @@ def build_tiny_model(family: str, out_dir: str, seed: int = 0, fused: bool = Fal
         for name, p in model.named_parameters():
             if name.endswith(".gate.weight") and p.shape[0] == 8:
                 p.mul_(4.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # nonzero, so selection-only use is tested
+                b.copy_(0.05 * torch.randn_like(b))
     model.save_pretrained(out_dir)
     if fused:
         os.remove(os.path.join(out_dir, "model.safetensors"))
