@@ -58,3 +58,26 @@ def test_fp8_block_quantised_checkpoint_is_refused(tiny_model_dirs: dict[str, st
     save_file(state, path, metadata={"format": "pt"})
     with pytest.raises(ValueError, match="FP8 block-quantised"):
         load_model(str(model_dir))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3"])
+def test_skip_gate_uses_the_family_router_rule(tiny_model_dirs: dict[str, str], family: str) -> None:
+    """Applied to a layer's own input, the speculative guess must be exactly what the router picked
+    (grouped top-k, selection bias and all): the skip-gate differs from the router only in its input."""
+    from services.engine.offload.prefetch.speculative import SpeculativePrefetcher
+
+    engine = LLMEngine(EngineConfig(model=tiny_model_dirs[family], offload_policy="speculative"))
+    try:
+        contexts = []
+        engine.runner.step_observers.append(contexts.append)
+        engine.generate(_prompts()[:2], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+        gate = next(p for p in engine.model.experts.prefetchers if isinstance(p, SpeculativePrefetcher))
+        checked = 0
+        for ctx in contexts:
+            for layer, selected in ctx.selected_experts.items():
+                guessed, _ = gate.guess(layer, layer, ctx)
+                assert torch.equal(guessed.sort(dim=-1).values, selected.sort(dim=-1).values), (family, layer)
+                checked += 1
+        assert checked >= engine.spec.num_moe_layers
+    finally:
+        engine.close()

@@ -7,9 +7,9 @@ guesses the future experts well (84-94% top-2 hit one layer ahead on the trained
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from services.engine.models.attention import rms_norm
+from services.engine.models.router import route
 from services.engine.models.spec import ModelSpec
 from services.engine.models.weights import NonExpertWeights
 from services.engine.offload.prefetch.base import Prefetcher, PrefetchRequest, targets
@@ -29,18 +29,21 @@ class SpeculativePrefetcher(Prefetcher):
         self.precision = 0.8
         self._guesses: dict[int, set[int]] = {}  # same-step target layer -> experts guessed
 
-    def scores(self, layer: int, target: int, ctx: StepContext) -> torch.Tensor:
-        """Predicted router probability per token and expert of `target`, from `layer`'s input hidden state."""
+    def guess(self, layer: int, target: int, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """(experts [tokens, k], scores [tokens, experts]) `target`'s router would pick from `layer`'s input:
+        the family's own rule (softmax or DeepSeek's grouped top-k), widened by `extra` experts if asked."""
         w = self.weights.layers[target]
         x = rms_norm(ctx.layer_inputs[layer], w.post_attention_norm, self.spec.rms_norm_eps)
-        return torch.softmax(F.linear(x, w.router).float(), dim=-1)  # type: ignore[arg-type]
+        routing = route(self.spec, x, w.router, w.router_bias)  # type: ignore[arg-type]
+        if self.top_k == self.spec.top_k:
+            return routing.experts, routing.probs
+        return torch.topk(routing.probs, self.top_k, dim=-1).indices, routing.probs
 
     def plan(self, layer: int, ctx: StepContext) -> list[PrefetchRequest]:
         requests = []
         miss = 1.0 - self.precision
         for hops, target, next_step in targets(layer, self.distance, self.spec.moe_layers):
-            probs = self.scores(layer, target, ctx)
-            chosen = torch.topk(probs, self.top_k, dim=-1).indices
+            chosen, probs = self.guess(layer, target, ctx)
             experts, votes = chosen.flatten().unique(return_counts=True)
             mean = probs.mean(dim=0)
             for e, n in zip(experts.tolist(), votes.tolist()):
