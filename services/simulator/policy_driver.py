@@ -1,0 +1,143 @@
+"""An offload policy's engine objects, built for the simulator by the engine's own constructors.
+
+make_eviction / make_prefetchers (services/engine/offload/setup.py), ExpertCache and
+OffloadedExpertProvider are the engine's; only the store, the link and the transfer engine's clock are
+simulated. A policy that needs something the trace does not hold is reported as not simulable, with the
+reason, instead of being approximated.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from services.engine.config import EngineConfig
+from services.engine.offload.eviction import EvictionPolicy
+from services.engine.offload.expert_cache import ExpertCache
+from services.engine.offload.host_store import ExpertLayout
+from services.engine.offload.policies import OffloadPolicy
+from services.engine.offload.prefetch.hints import HintPrefetcher, HintStats
+from services.engine.offload.provider import OffloadedExpertProvider
+from services.engine.offload.setup import make_eviction, make_prefetchers
+from services.engine.offload.stats import OffloadStats
+from services.predictor.messages import Shape
+from services.simulator.hint_link import SimPredictorLink
+from services.simulator.timeline import SimClock, SimLink, SimTransferEngine
+from services.simulator.workload import Workload
+
+# The cache's slot storage holds no weights in a simulation: three numbers per slot, split into the same
+# two chunks (gate/up, down) the engine's layout has; the bytes each chunk costs come from the model spec.
+PLACEHOLDER_LAYOUT = ExpertLayout(1, 1)
+
+
+class _PlaceholderBuffers:
+    def __init__(self) -> None:
+        self.flat = torch.zeros(PLACEHOLDER_LAYOUT.numel)
+
+    def __getitem__(self, key: tuple[int, int]) -> torch.Tensor:
+        return self.flat
+
+
+@dataclass
+class SimStore:
+    """Stands in for HostExpertStore: the provider reads its layout, buffers and expert size."""
+
+    expert_bytes: int
+    layout: ExpertLayout = PLACEHOLDER_LAYOUT
+    buffers: _PlaceholderBuffers = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        self.buffers = _PlaceholderBuffers()
+
+
+@dataclass
+class SimOffload:
+    provider: OffloadedExpertProvider
+    transfers: SimTransferEngine
+    hint_link: SimPredictorLink | None
+
+
+@cache
+def _router_model(model_dir: str):
+    """The engine's spec and non-expert weights (routers, norms) of a checkpoint, for the skip-gate."""
+    from services.engine.models.checkpoint import Checkpoint
+    from services.engine.models.spec import load_hf_config, spec_from_config
+    from services.engine.models.weights import WeightReader, load_non_expert_weights
+
+    spec = spec_from_config(load_hf_config(model_dir))
+    reader = WeightReader(Checkpoint(model_dir), torch.float32, "cpu")
+    return spec, load_non_expert_weights(reader, spec)
+
+
+def not_simulable(policy: OffloadPolicy, workload: Workload) -> str | None:
+    """Why `policy` cannot run faithfully on this trace, or None."""
+    trace = workload.trace
+    if "speculative" in policy.prefetchers:
+        if not workload.has_layer_inputs:
+            return (
+                "the skip-gate applies later layers' routers to each token's hidden state; the trace has no "
+                "hidden states (record one with hintserve trace collect --layer-inputs)"
+            )
+        if not trace.model or not os.path.isfile(os.path.join(trace.model, "config.json")):
+            return "the skip-gate needs the router weights of the model the trace was recorded with"
+        from services.predictor.predictors.speculative import check_weights
+
+        try:
+            check_weights(trace.model, trace.model_hash)
+        except ValueError as exc:
+            return str(exc)
+    if "affinity" in policy.prefetchers and not workload.has_token_routing:
+        return (
+            "the affinity prefetcher learns which expert each token takes at the next layer; the trace's "
+            "multi-token steps hold per-expert counts only"
+        )
+    return None
+
+
+def build_offload(
+    policy: OffloadPolicy,
+    workload: Workload,
+    clock: SimClock,
+    link_bytes_per_second: float,
+    slots: int,
+    trace_path: str,
+    prefetch_distance: int = 2,
+    hint_latency_s: float = 2e-3,
+    eviction: str | EvictionPolicy | None = None,
+) -> SimOffload:
+    spec = workload.spec
+    # setup.py's constructors take an EngineConfig; the predictor link is ours, so the engine's is off.
+    config = EngineConfig(routing_trace=trace_path, prefetch_distance=prefetch_distance, predictor="none")
+    router_spec, weights = (
+        _router_model(workload.trace.model) if "speculative" in policy.prefetchers else (spec, None)
+    )
+    stats_type = HintStats if "hints" in policy.prefetchers else OffloadStats
+    stats = stats_type(spec.num_layers, slots_total=slots, expert_bytes=spec.expert_bytes)
+    # MoEModelSpec carries the fields these constructors read (num_layers, num_experts, top_k, moe_layers).
+    if isinstance(eviction, EvictionPolicy):
+        evict = eviction
+    else:
+        evict = make_eviction(eviction or policy.eviction, config, spec, slots)  # type: ignore[arg-type]
+    prefetchers = make_prefetchers(policy, config, router_spec, weights, stats)  # type: ignore[arg-type]
+    transfers = SimTransferEngine(SimLink(link_bytes_per_second), stats, clock, spec.expert_chunk_bytes)
+    cache_ = ExpertCache(slots, PLACEHOLDER_LAYOUT, torch.float32, "cpu", evict)
+    provider = OffloadedExpertProvider(
+        SimStore(spec.expert_bytes),
+        cache_,
+        transfers,
+        prefetchers,  # type: ignore[arg-type]
+        policy.rules,
+        stats,
+        stream_slots=spec.top_k,
+    )
+    hint_link = None
+    hints = [p for p in prefetchers if isinstance(p, HintPrefetcher)]
+    if hints and policy.predictor:
+        embedding = workload.trace.requests[0].iterations[0].embedding.size if workload.trace.requests else 0
+        shape = Shape(spec.name, spec.num_layers, spec.num_experts, spec.top_k, int(embedding))
+        first_moe = spec.moe_layers.index(True)
+        hint_link = SimPredictorLink(hints[0], policy.predictor, shape, clock, hint_latency_s, (first_moe,))
+    return SimOffload(provider, transfers, hint_link)
