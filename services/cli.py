@@ -13,6 +13,7 @@ _COMMAND_MODULES = (
     "services.gateway.cli",
     "services.bench.cli",
     "services.predictor.cli",  # trace collect; predictor train / eval / bench-search
+    "services.simulator.cli",
     "services.predictor.service_cli",  # last: extends a `predictor` group registered before it
 )
 

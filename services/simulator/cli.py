@@ -1,0 +1,134 @@
+"""`hintserve simulate`: replay a routing trace through every offload policy on a real-size model spec."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+
+
+def _budgets(text: str) -> list[float] | None:
+    if text == "auto":
+        return None
+    try:
+        out = [float(t) for t in text.split(",") if t]
+    except ValueError:
+        raise ValueError(f"--cache-gb expects comma-separated GB figures or auto, got {text!r}") from None
+    if not out or any(v <= 0 for v in out):
+        raise ValueError(f"--cache-gb figures must be positive, got {text!r}")
+    return out
+
+
+def _calibration() -> int:
+    from services.bench.report import markdown_table
+    from services.simulator.calibration import MISMATCHES, all_figures
+
+    print(
+        markdown_table(
+            ("source", "figure", "published", "simulated", "unit", "error"),
+            [(f.source, f.what, f.published, f.simulated, f.unit, f"{f.error:+.1%}") for f in all_figures()],
+        )
+    )
+    for what, why in MISMATCHES.items():
+        print(f"- not reproduced: {what}: {why}")
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    if args.calibration:
+        return _calibration()
+    from services.bench.cli import _policies as parse_policies
+    from services.engine.offload.policies import get_policy
+    from services.predictor.traces import load_traces
+    from services.simulator.hardware import RooflineCost, get_hardware
+    from services.simulator.model_specs import get_model_spec
+    from services.simulator.report import skipped_lines, table, write_report
+    from services.simulator.sweep import default_budgets_gb, run_sweep
+    from services.simulator.workload import Workload
+
+    if not args.trace:
+        raise ValueError("--trace is required (a routing trace file or directory), or pass --calibration")
+    if args.batch < 1 or args.prompt_tokens < 0 or args.warmup_steps < 0 or args.prefetch_distance < 1:
+        raise ValueError(
+            "--batch and --prefetch-distance must be >= 1, --prompt-tokens and --warmup-steps >= 0"
+        )
+    if args.hint_latency_ms < 0 or (args.link_gbps is not None and args.link_gbps <= 0):
+        raise ValueError("--hint-latency-ms must be >= 0 and --link-gbps positive")
+    spec = get_model_spec(args.model_spec)
+    hw = get_hardware(args.hardware)
+    if args.link_gbps is not None:
+        hw = hw.with_link(args.link_gbps)
+    policies = [get_policy(name) for name in parse_policies(args.policies)]
+    budgets = _budgets(args.cache_gb) or default_budgets_gb(spec, hw)
+    workload = Workload(load_traces(args.trace), spec, args.batch, args.prompt_tokens)
+    if args.warmup_steps >= len(workload.steps):
+        raise ValueError(
+            f"--warmup-steps {args.warmup_steps} leaves none of the trace's {len(workload.steps)} steps"
+        )
+    rows, skipped = run_sweep(
+        workload,
+        policies,
+        budgets,
+        RooflineCost(spec, hw),
+        hw,
+        args.prefetch_distance,
+        args.hint_latency_ms / 1e3,
+        args.warmup_steps,
+        progress=not args.quiet,
+    )
+    trace = workload.trace
+    setting = (
+        f"{spec.description}; {hw.description}, host link {hw.link_gbps:g} GB/s. Trace {trace.source}: "
+        f"{len(trace.requests)} requests, {workload.decode_tokens} decode tokens, batch {args.batch}, "
+        f"prefetch distance {args.prefetch_distance}, hint latency {args.hint_latency_ms:g} ms. "
+        f"GB = 1e9 bytes; TTFT '-' = the trace has no prefill. Simulated {dt.date.today().isoformat()}."
+    )
+    result = {
+        "model_spec": spec.name,
+        "hardware": hw.name,
+        "link_gbps": hw.link_gbps,
+        "trace": args.trace,
+        "batch": args.batch,
+        "decode_tokens": workload.decode_tokens,
+        "setting": setting,
+        "rows": rows,
+        "not_simulable": skipped,
+    }
+    print(table(rows))
+    if skipped:
+        print(skipped_lines(skipped))
+    markdown = args.markdown or (os.path.splitext(args.json)[0] + ".md" if args.json else None)
+    write_report(result, args.json, markdown, args.plot)
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("simulate", help="trace-driven offload simulation of a real-size MoE model")
+    p.add_argument("--model-spec", default="mixtral-8x7b", help="a registered spec or a model directory")
+    p.add_argument("--hardware", default="a5000-pcie4", help="GPU and host link profile")
+    p.add_argument("--trace", help="routing trace: ours (hintserve trace collect) or a real one in ../shared")
+    p.add_argument("--policies", default="all", help="comma-separated offload policies, or all")
+    p.add_argument(
+        "--cache-gb", default="auto", help="expert cache budgets in GB, e.g. 4,8,16 (auto: fit the GPU)"
+    )
+    p.add_argument("--batch", type=int, default=1, help="requests decoded together")
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=128,
+        help="context assumed for requests whose prefill the trace lacks",
+    )
+    p.add_argument("--prefetch-distance", type=int, default=2)
+    p.add_argument("--hint-latency-ms", type=float, default=2.0, help="context out -> predictor hints in")
+    p.add_argument("--link-gbps", type=float, help="override the profile's host-to-device bandwidth")
+    p.add_argument(
+        "--warmup-steps", type=int, default=0, help="steps left out of the figures (cache warm-up)"
+    )
+    p.add_argument("--json", help="write the rows here")
+    p.add_argument("--markdown", help="markdown table (default: next to --json)")
+    p.add_argument("--plot", help="PNG of TPOT against cache budget")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--calibration", action="store_true", help="print the published figures the simulator reproduces"
+    )
+    p.set_defaults(func=_simulate)

@@ -1,0 +1,73 @@
+"""Every policy at every cache budget on one workload: the rows `hintserve simulate` reports."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import asdict
+
+from tqdm import tqdm
+
+from services.engine.config import EngineConfig
+from services.engine.offload.policies import OffloadPolicy
+from services.engine.offload.setup import cache_slots
+from services.simulator.hardware import CostModel, HardwareProfile
+from services.simulator.model_specs import MoEModelSpec
+from services.simulator.policy_driver import not_simulable
+from services.simulator.sim import simulate
+from services.simulator.workload import Workload
+
+
+def default_budgets_gb(spec: MoEModelSpec, hw: HardwareProfile) -> list[float]:
+    """An eighth, a quarter, half and all of what the device has left after the non-expert weights and a
+    1 GB reserve (KV cache, activations), capped at the size of all experts."""
+    free = min(hw.memory_gb - spec.non_expert_bytes / 1e9 - 1.0, spec.all_experts_bytes / 1e9)
+    if free <= 0:
+        raise ValueError(
+            f"{spec.name}'s non-expert weights ({spec.non_expert_bytes / 1e9:.1f} GB) leave no room for "
+            f"experts on {hw.name} ({hw.memory_gb:g} GB)"
+        )
+    return [round(free * f, 1) for f in (0.125, 0.25, 0.5, 1.0)]
+
+
+def slots_for(spec: MoEModelSpec, cache_gb: float) -> int:
+    """The engine's cache sizing (at least top-k, at most every expert) for a budget in GB (1e9 bytes)."""
+    config = EngineConfig(expert_cache_experts=max(1, int(cache_gb * 1e9 // spec.expert_bytes)))
+    return cache_slots(config, spec, spec.expert_bytes)  # type: ignore[arg-type]
+
+
+def run_sweep(
+    workload: Workload,
+    policies: list[OffloadPolicy],
+    budgets_gb: list[float],
+    cost: CostModel,
+    hw: HardwareProfile | None = None,
+    prefetch_distance: int = 2,
+    hint_latency_s: float = 2e-3,
+    warmup_steps: int = 0,
+    progress: bool = True,
+) -> tuple[list[dict], list[dict]]:
+    """(rows, not simulable): one row per policy and budget (`resident` once, with every expert)."""
+    spec = workload.spec
+    runnable, skipped = [], []
+    for policy in policies:
+        reason = not_simulable(policy, workload)
+        if reason:
+            skipped.append({"policy": policy.name, "reason": reason})
+        else:
+            runnable.append(policy)
+    runs = [(p, None) if p.name == "resident" else (p, b) for p in runnable for b in budgets_gb]
+    runs = list(dict.fromkeys(runs))
+    path = os.path.join(tempfile.mkdtemp(prefix="hintserve-sim-"), "routing.json")
+    workload.routing_trace().save(path)  # what the oracle and Belady replay, as in the engine
+    rows = []
+    for policy, budget in tqdm(runs, desc="simulate", unit="run", disable=not progress):
+        slots = slots_for(spec, budget) if budget is not None else 0
+        result = simulate(
+            workload, policy, cost, slots, path, prefetch_distance, hint_latency_s, warmup_steps=warmup_steps
+        )
+        row = asdict(result)
+        if hw is not None and result.peak_memory_gb > hw.memory_gb:
+            row["note"] = f"needs {result.peak_memory_gb:.1f} GB; {hw.name} has {hw.memory_gb:g} GB"
+        rows.append(row)
+    return rows, skipped
