@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.engine.offload.eviction.static import StaticEviction
 from services.engine.offload.policies import OffloadPolicy
 from services.engine.offload.provider import PhaseRules
 from services.predictor.context import RequestTrace
@@ -65,11 +64,10 @@ MISMATCHES = {
 # host link achieved 23 GB/s; TPOT 67.9 ms of which fetching 58.1 ms (85.6%); 2.67 and 1.33 "GiB" per token
 # (1.33 x 2^30 B / 23 GB/s would be 62 ms, so the unit is GB).
 PROMOE_LINK_GBPS = 23.0
+# Their baseline: transformers with an LRU expert cache, each miss loaded when its layer asks for it.
 PROMOE_POLICY = OffloadPolicy(
     "promoe-baseline",
-    "half of every layer's experts resident; each miss fetched when "
-    "its layer asks, compute blocked meanwhile",
-    eviction="static",
+    "LRU cache, each miss fetched when its layer asks, compute blocked meanwhile",
     rules=PhaseRules(early_demand=False),
 )
 
@@ -135,26 +133,15 @@ def uniform_trace(spec: MoEModelSpec, tokens: int, seed: int = 0) -> TraceSet:
 
 
 def promoe_ds1_run(tokens: int = 80, warmup: int = 40) -> SimResult:
-    """ProMoE's section 3 setting: half of every DS-1 layer's experts pinned (static eviction, plus top-k
-    spare slots for the misses), so hits equal the cache rate on i.i.d. routing, as their 1.33 = 2.67 / 2
-    says. The first `warmup` tokens fill the cache and are not counted."""
+    """ProMoE's section 3 setting on i.i.d. uniform top-6 routing (no DS-1 trace is public): an LRU cache of
+    half the experts; the first `warmup` tokens fill it and are not counted."""
     spec = MODEL_SPECS["deepseek-moe-16b"]
     workload = Workload(uniform_trace(spec, tokens), spec)
-    hot = {
-        (layer, e) for layer, moe in enumerate(spec.moe_layers) if moe for e in range(spec.num_experts // 2)
-    }
     cost = RooflineCost(spec, get_hardware("4090-pcie4").with_link(PROMOE_LINK_GBPS))
     path = os.path.join(tempfile.mkdtemp(prefix="hintserve-sim-"), "routing.json")
     workload.routing_trace().save(path)
-    return simulate(
-        workload,
-        PROMOE_POLICY,
-        cost,
-        len(hot) + spec.top_k,
-        path,
-        eviction=StaticEviction(hot),
-        warmup_steps=warmup,
-    )
+    slots = spec.num_experts * spec.num_moe_layers // 2
+    return simulate(workload, PROMOE_POLICY, cost, slots, path, warmup_steps=warmup)
 
 
 def promoe_figures(result: SimResult | None = None) -> list[Figure]:

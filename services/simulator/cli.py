@@ -34,9 +34,44 @@ def _calibration() -> int:
     return 0
 
 
+def _engine_check(model_dir: str, json_path: str | None) -> int:
+    """The engine-agreement test's comparison, as a command (the README's figures)."""
+    import dataclasses
+
+    from services.bench.report import markdown_table, run_header, write_json
+    from services.simulator.engine_agreement import compare_with_engine
+
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise FileNotFoundError(f"no model (config.json) in {model_dir}")
+    rows, prices = compare_with_engine(model_dir)
+    print(
+        markdown_table(
+            ("policy", "engine TPOT ms", "simulated TPOT ms", "error", "simulated hit rate"),
+            [
+                (r.policy, r.engine_tpot_ms, r.sim_tpot_ms, f"{r.tpot_error:+.1%}", r.sim_hit_rate)
+                for r in rows
+            ],
+        )
+    )
+    print(f"measured: {prices}")
+    if json_path:
+        write_json(
+            json_path,
+            {
+                **run_header(),
+                "model": model_dir,
+                "prices": prices,
+                "rows": [dataclasses.asdict(r) | {"tpot_error": r.tpot_error} for r in rows],
+            },
+        )
+    return 0
+
+
 def _simulate(args: argparse.Namespace) -> int:
     if args.calibration:
         return _calibration()
+    if args.engine_check:
+        return _engine_check(args.engine_check, args.json)
     from services.bench.cli import _policies as parse_policies
     from services.engine.offload.policies import get_policy
     from services.predictor.traces import load_traces
@@ -54,6 +89,12 @@ def _simulate(args: argparse.Namespace) -> int:
         )
     if args.hint_latency_ms < 0 or (args.link_gbps is not None and args.link_gbps <= 0):
         raise ValueError("--hint-latency-ms must be >= 0 and --link-gbps positive")
+    from services.engine.offload.eviction import EVICTION_POLICIES
+
+    if args.eviction is not None and args.eviction not in EVICTION_POLICIES:
+        raise ValueError(
+            f"unknown eviction policy {args.eviction!r}; choose from: {', '.join(EVICTION_POLICIES)}"
+        )
     spec = get_model_spec(args.model_spec)
     hw = get_hardware(args.hardware)
     if args.link_gbps is not None:
@@ -74,6 +115,7 @@ def _simulate(args: argparse.Namespace) -> int:
         args.prefetch_distance,
         args.hint_latency_ms / 1e3,
         args.warmup_steps,
+        args.eviction,
         progress=not args.quiet,
     )
     trace = workload.trace
@@ -120,6 +162,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--prefetch-distance", type=int, default=2)
     p.add_argument("--hint-latency-ms", type=float, default=2.0, help="context out -> predictor hints in")
+    p.add_argument("--eviction", help="override every policy's eviction (as the engine's --eviction)")
     p.add_argument("--link-gbps", type=float, help="override the profile's host-to-device bandwidth")
     p.add_argument(
         "--warmup-steps", type=int, default=0, help="steps left out of the figures (cache warm-up)"
@@ -130,5 +173,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument(
         "--calibration", action="store_true", help="print the published figures the simulator reproduces"
+    )
+    p.add_argument(
+        "--engine-check",
+        metavar="MODEL_DIR",
+        help="compare simulated and real-engine TPOT on this checkpoint (emulated link), then exit",
     )
     p.set_defaults(func=_simulate)

@@ -15,7 +15,6 @@ from functools import cache
 import torch
 
 from services.engine.config import EngineConfig
-from services.engine.offload.eviction import EvictionPolicy
 from services.engine.offload.expert_cache import ExpertCache
 from services.engine.offload.host_store import ExpertLayout
 from services.engine.offload.policies import OffloadPolicy
@@ -106,7 +105,7 @@ def build_offload(
     trace_path: str,
     prefetch_distance: int = 2,
     hint_latency_s: float = 2e-3,
-    eviction: str | EvictionPolicy | None = None,
+    eviction: str | None = None,
 ) -> SimOffload:
     spec = workload.spec
     # setup.py's constructors take an EngineConfig; the predictor link is ours, so the engine's is off.
@@ -117,10 +116,7 @@ def build_offload(
     stats_type = HintStats if "hints" in policy.prefetchers else OffloadStats
     stats = stats_type(spec.num_layers, slots_total=slots, expert_bytes=spec.expert_bytes)
     # MoEModelSpec carries the fields these constructors read (num_layers, num_experts, top_k, moe_layers).
-    if isinstance(eviction, EvictionPolicy):
-        evict = eviction
-    else:
-        evict = make_eviction(eviction or policy.eviction, config, spec, slots)  # type: ignore[arg-type]
+    evict = make_eviction(eviction or policy.eviction, config, spec, slots)  # type: ignore[arg-type]
     prefetchers = make_prefetchers(policy, config, router_spec, weights, stats)  # type: ignore[arg-type]
     transfers = SimTransferEngine(SimLink(link_bytes_per_second), stats, clock, spec.expert_chunk_bytes)
     cache_ = ExpertCache(slots, PLACEHOLDER_LAYOUT, torch.float32, "cpu", evict)

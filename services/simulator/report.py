@@ -21,7 +21,7 @@ HEADERS = (
 
 
 def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
+    return "-" if value is None else f"{value:.3g}" if value < 10 else f"{value:.1f}"
 
 
 def table(rows: list[dict]) -> str:
@@ -30,14 +30,14 @@ def table(rows: list[dict]) -> str:
         [
             (
                 r["policy"],
-                f"{r['cache_gb']:.1f}",
+                f"{r['cache_gb']:.3g}",  # 3 significant digits: real models and the demo model alike
                 _ms(r["tpot_ms"]),
                 _ms(r["ttft_ms"]),
                 f"{r['hit_rate']:.2f}",
-                f"{r['gb_moved_per_token']:.2f}",
+                f"{r['gb_moved_per_token']:.3g}",
                 f"{r['blocking_ms_per_token']:.1f}",
                 f"{r['link_busy_share']:.0%}",
-                f"{r['peak_memory_gb']:.1f}",
+                f"{r['peak_memory_gb']:.3g}",
                 r["note"],
             )
             for r in rows

@@ -11,7 +11,6 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from services.engine.offload.eviction import EvictionPolicy
 from services.engine.offload.policies import OffloadPolicy
 from services.engine.step_context import Phase
 from services.simulator.hardware import CostModel
@@ -127,7 +126,7 @@ def simulate(
     trace_path: str,
     prefetch_distance: int = 2,
     hint_latency_s: float = 2e-3,
-    eviction: str | EvictionPolicy | None = None,
+    eviction: str | None = None,
     warmup_steps: int = 0,
 ) -> SimResult:
     """One run; the first `warmup_steps` steps fill the cache and are left out of every figure."""

@@ -45,6 +45,7 @@ def run_sweep(
     prefetch_distance: int = 2,
     hint_latency_s: float = 2e-3,
     warmup_steps: int = 0,
+    eviction: str | None = None,
     progress: bool = True,
 ) -> tuple[list[dict], list[dict]]:
     """(rows, not simulable): one row per policy and budget (`resident` once, with every expert)."""
@@ -64,7 +65,7 @@ def run_sweep(
     for policy, budget in tqdm(runs, desc="simulate", unit="run", disable=not progress):
         slots = slots_for(spec, budget) if budget is not None else 0
         result = simulate(
-            workload, policy, cost, slots, path, prefetch_distance, hint_latency_s, warmup_steps=warmup_steps
+            workload, policy, cost, slots, path, prefetch_distance, hint_latency_s, eviction, warmup_steps
         )
         row = asdict(result)
         if hw is not None and result.peak_memory_gb > hw.memory_gb:
