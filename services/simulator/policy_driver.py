@@ -8,9 +8,9 @@ reason, instead of being approximated.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 
@@ -59,7 +59,7 @@ class SimOffload:
     hint_link: SimPredictorLink | None
 
 
-@cache
+@functools.cache
 def _router_model(model_dir: str):
     """The engine's spec and non-expert weights (routers, norms) of a checkpoint, for the skip-gate."""
     from services.engine.models.checkpoint import Checkpoint
@@ -119,16 +119,11 @@ def build_offload(
     evict = make_eviction(eviction or policy.eviction, config, spec, slots)  # type: ignore[arg-type]
     prefetchers = make_prefetchers(policy, config, router_spec, weights, stats)  # type: ignore[arg-type]
     transfers = SimTransferEngine(SimLink(link_bytes_per_second), stats, clock, spec.expert_chunk_bytes)
-    cache_ = ExpertCache(slots, PLACEHOLDER_LAYOUT, torch.float32, "cpu", evict)
+    expert_cache = ExpertCache(slots, PLACEHOLDER_LAYOUT, torch.float32, "cpu", evict)
+    store = SimStore(spec.expert_bytes)  # duck-types HostExpertStore
     provider = OffloadedExpertProvider(
-        SimStore(spec.expert_bytes),
-        cache_,
-        transfers,
-        prefetchers,  # type: ignore[arg-type]
-        policy.rules,
-        stats,
-        stream_slots=spec.top_k,
-    )
+        store, expert_cache, transfers, prefetchers, policy.rules, stats, stream_slots=spec.top_k
+    )  # type: ignore[arg-type]
     hint_link = None
     hints = [p for p in prefetchers if isinstance(p, HintPrefetcher)]
     if hints and policy.predictor:

@@ -56,9 +56,8 @@ class Workload:
         self.decode_tokens = sum(len(s.iterations) for s in self.steps if s.phase is Phase.DECODE)
         self.has_layer_inputs = trace.has_layer_inputs
         self._moe_layers = [i for i, moe in enumerate(spec.moe_layers) if moe]
-        self._position = {
-            layer: pos for pos, layer in enumerate(self._moe_layers)
-        }  # model layer -> trace column
+        # model layer -> the trace's column for it
+        self._position = {layer: pos for pos, layer in enumerate(self._moe_layers)}
 
     @property
     def has_token_routing(self) -> bool:
@@ -83,12 +82,12 @@ class Workload:
     def context(self, step: SimStep) -> StepContext:
         its = step.iterations
         ctx = StepContext(
-            step.phase,
-            [it.request_id for it in its],
-            step.tokens,
-            step.index,
-            [it.num_tokens for it in its],
-            [it.iteration for it in its],
+            phase=step.phase,
+            request_ids=[it.request_id for it in its],
+            num_tokens=step.tokens,
+            step_index=step.index,
+            seq_lens=[it.num_tokens for it in its],
+            iterations=[it.iteration for it in its],
         )
         if all(it.embedding.size for it in its):
             ctx.embeddings = _per_token(its, [it.embedding for it in its])
