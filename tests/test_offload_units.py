@@ -155,30 +155,41 @@ def test_lookahead_evicts_the_layer_needed_last() -> None:
     assert policy.victim([(3, 0), (0, 0)], _ctx(), 2) == (0, 0)
 
 
+def _decode_step(request_ids: list[str], routes: dict[int, list[list[int]]], step: int = 0) -> StepContext:
+    ctx = StepContext(Phase.DECODE, request_ids, len(request_ids), step_index=step, seq_lens=[1] * len(request_ids))
+    ctx.selected_experts = {layer: torch.tensor(experts) for layer, experts in routes.items()}
+    return ctx
+
+
 def test_next_use_keeps_what_comes_round_soonest_and_is_likely() -> None:
     policy = EVICTION_POLICIES["next-use"](4, 4)
-    for layer in range(4):  # one decode step: layer l used experts l and l+1 (mod 4)
-        policy.on_layer_routed(layer, [0.25] * 4, _ctx())
-        for expert in (layer, (layer + 1) % 4):
-            policy.on_access((layer, expert), _ctx())
-    # At layer 1: layer 2 comes next (1 hop), layer 0 last (3 hops). Same use rate: the far one goes.
+    # Request "a" routes layer l to experts l and l+1 (mod 4), three steps in a row.
+    routes = {layer: [[layer, (layer + 1) % 4]] for layer in range(4)}
+    for step in range(3):
+        policy.on_step_end(_decode_step(["a"], routes, step))
+    # At layer 1: layer 2 comes next (1 hop), layer 0 last (3 hops). Both always used: the far one goes.
     assert policy.victim([(0, 0), (2, 2)], _ctx(), 1) == (0, 0)
-    # An expert its layer never used goes before a used one, however near.
+    # An expert the request never used goes before a used one, however near.
     assert policy.victim([(0, 0), (2, 0)], _ctx(), 1) == (2, 0)
-    # A prediction for the next visit overrides the use rate, until that layer is routed.
+    # A prediction for the next visit overrides the history, until that layer is routed.
     policy.on_prediction((2, 0), 0.9)
     assert policy.victim([(0, 0), (2, 0)], _ctx(), 1) == (0, 0)
     policy.on_layer_routed(2, [0.25] * 4, _ctx())
     assert (2, 0) not in policy.predicted
+    # Another request joining with a different route raises the chance that someone needs (2, 0).
+    before = policy.q[2][0]
+    both = {layer: experts * 2 for layer, experts in routes.items()}
+    policy.on_step_end(_decode_step(["a", "b"], {**both, 2: [[2, 3], [0, 1]]}, 3))
+    assert policy.q[2][0] > before
 
 
 def test_next_use_and_belady_admit_only_prefetches_worth_their_victim() -> None:
     policy = EVICTION_POLICIES["next-use"](4, 4)
-    policy.on_layer_routed(0, [0.25] * 4, _ctx())
-    policy.on_access((0, 1), _ctx())  # layer 0 reused expert 1: rate 0.5, comes round in 4 hops at layer 0
+    policy.on_step_end(_decode_step(["a"], {0: [[1, 2]], 1: [[0, 1]], 2: [[0, 1]], 3: [[0, 1]]}))
     policy.on_prediction((1, 3), 0.8)  # the next layer will likely want expert 3
     policy.on_prediction((3, 2), 0.3)  # a weak guess three layers ahead
-    assert policy.admit((1, 3), (0, 1), _ctx(), 0)  # 0.8 / 1 hop > 0.5 / 4 hops
+    # At layer 0: (0, 1) comes round in 4 hops; the guess for the next layer is worth more.
+    assert policy.admit((1, 3), (0, 1), _ctx(), 0)
     assert not policy.admit((3, 2), (1, 3), _ctx(), 0)  # never displace a likelier, nearer expert
 
     trace = RoutingTrace(2, [[[0], [1]], [[2], [1]], [[0], [3]]])
