@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from services.engine.errors import InvalidRequestError
@@ -18,6 +19,11 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # OpenAI: logit -= frequency_penalty * count + presence_penalty * (count > 0), over generated tokens.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    # vLLM / HF: every token id of the prompt or the output gets logit / p if positive, else logit * p.
+    repetition_penalty: float = 1.0
 
     def validate(self) -> None:
         if not 0.0 <= self.temperature <= 100.0:
@@ -36,7 +42,19 @@ class SamplingParams:
             raise InvalidRequestError("stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:  # also rejects NaN
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            raise InvalidRequestError(
+                f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty}"
+            )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0

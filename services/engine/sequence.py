@@ -5,10 +5,14 @@ from __future__ import annotations
 import itertools
 import time
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 import torch
 
 from services.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from services.engine.sampler import PenaltyState
 
 
 class SequenceStatus(Enum):
@@ -39,6 +43,7 @@ class Sequence:
         self.generator: torch.Generator | None = None
         if params.seed is not None and not params.greedy:
             self.generator = torch.Generator().manual_seed(params.seed)
+        self.penalty_state: PenaltyState | None = None  # made by the sampler, only if a penalty is set
 
     def __len__(self) -> int:
         return len(self.token_ids)
