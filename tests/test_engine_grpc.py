@@ -113,6 +113,25 @@ async def test_greedy_over_grpc_equals_in_process(engine: Any, client: EngineCli
     ]
 
 
+async def test_penalties_over_grpc_equal_in_process(engine: Any, client: EngineClient) -> None:
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=12,
+        ignore_eos=True,
+        frequency_penalty=1.0,
+        presence_penalty=-0.5,
+        repetition_penalty=1.4,
+    )
+    plain_params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    async def token_ids(stream: AsyncIterator[Any]) -> list[int]:
+        return [t for o in await _collect(stream) for t in o.delta_token_ids]
+
+    local = await token_ids(engine.generate("local", PROMPT, params))
+    assert await token_ids(client.generate("remote", PROMPT, params)) == local
+    assert await token_ids(client.generate("plain", PROMPT, plain_params)) != local  # the penalties act
+
+
 async def test_empty_request_id_gets_generated(client: EngineClient) -> None:
     outs = await _collect(client.generate("", PROMPT, SamplingParams(max_tokens=2, seed=1)))
     assert outs[0].request_id
@@ -125,10 +144,22 @@ async def test_empty_request_id_gets_generated(client: EngineClient) -> None:
         {"temperature": -1.0},
         {"max_tokens": 0},
         {"top_p": 0.0},
+        {"frequency_penalty": 2.5},
+        {"presence_penalty": -3.0},
+        {"repetition_penalty": 0.0},  # set explicitly: not the unset default of 1
         {"prompt": ""},
         {"prompt": []},
     ],
-    ids=["temperature", "max_tokens", "top_p", "empty-text", "empty-ids"],
+    ids=[
+        "temperature",
+        "max_tokens",
+        "top_p",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "empty-text",
+        "empty-ids",
+    ],
 )
 async def test_invalid_arguments(client: EngineClient, request_kwargs: dict[str, Any]) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -26,9 +26,11 @@ def params_from_proto(msg: Any) -> SamplingParams:
         stop=list(msg.stop),
         stop_token_ids=list(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        frequency_penalty=msg.frequency_penalty,
+        presence_penalty=msg.presence_penalty,
     )
     # proto3 `optional`: an unset field keeps the engine default, which differs from an explicit 0.
-    for name in ("temperature", "top_p", "seed", "max_tokens"):
+    for name in ("temperature", "top_p", "seed", "max_tokens", "repetition_penalty"):
         if msg.HasField(name):
             setattr(params, name, getattr(msg, name))
     return params
@@ -44,6 +46,9 @@ def params_to_proto(params: SamplingParams) -> Any:
         stop=params.stop,
         stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos,
+        frequency_penalty=params.frequency_penalty,
+        presence_penalty=params.presence_penalty,
+        repetition_penalty=params.repetition_penalty,
     )
     if params.seed is not None:
         msg.seed = params.seed
