@@ -244,7 +244,7 @@ async def test_unknown_model_404(served: SimpleNamespace) -> None:
         ({"tool_choice": "auto", "logit_bias": {"1": 5}}, ["tool_choice", "logit_bias"]),
         ({"response_format": {"type": "json_object"}}, ["response_format"]),
         ({"logprobs": True, "functions": [{"name": "f"}]}, ["logprobs", "functions"]),
-        ({"frequency_penalty": 0.5}, ["frequency_penalty"]),
+        ({"echo": True, "best_of": 2}, ["echo", "best_of"]),
     ],
 )
 async def test_unsupported_fields_400(
@@ -269,6 +269,57 @@ async def test_neutral_values_of_unsupported_fields_are_accepted(served: SimpleN
         user="someone",
     )
     assert r.usage.completion_tokens <= 2
+
+
+async def test_penalties_are_applied(served: SimpleNamespace) -> None:
+    penalties = {"frequency_penalty": 1.5, "presence_penalty": 0.5, "repetition_penalty": 1.3}
+    _, plain_ids, _ = await direct(served.engine, PROMPT, temperature=0.0, max_tokens=16, ignore_eos=True)
+    text, ids, _ = await direct(
+        served.engine, PROMPT, temperature=0.0, max_tokens=16, ignore_eos=True, **penalties
+    )
+    assert ids != plain_ids  # the penalties change the greedy continuation
+    r = await served.client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=16,
+        temperature=0,
+        frequency_penalty=penalties["frequency_penalty"],
+        presence_penalty=penalties["presence_penalty"],
+        extra_body={"ignore_eos": True, "repetition_penalty": penalties["repetition_penalty"]},
+    )
+    assert r.choices[0].text == text
+    r = await served.client.chat.completions.create(  # the range's ends, and a repetition reward
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=4,
+        frequency_penalty=-2,
+        presence_penalty=2,
+        extra_body={"repetition_penalty": 0.5},
+    )
+    assert r.usage.completion_tokens <= 4
+
+
+@pytest.mark.parametrize(
+    "penalty",
+    [
+        {"frequency_penalty": 2.5},
+        {"frequency_penalty": -3},
+        {"presence_penalty": 2.01},
+        {"repetition_penalty": 0},
+        {"repetition_penalty": -1.0},
+    ],
+)
+async def test_out_of_range_penalties_400(served: SimpleNamespace, penalty: dict[str, float]) -> None:
+    [(name, value)] = penalty.items()
+    for create, prompt in (
+        (served.client.chat.completions.create, {"messages": MESSAGES}),
+        (served.client.completions.create, {"prompt": PROMPT}),
+    ):
+        with pytest.raises(openai.BadRequestError) as err:
+            await create(model=MODEL, max_tokens=2, extra_body=penalty, **prompt)
+        error = err.value.body
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["type"] == "invalid_request_error" and error["param"] == name
 
 
 async def test_context_length_exceeded_400(served: SimpleNamespace) -> None:

@@ -13,9 +13,6 @@ from pydantic import BaseModel, ConfigDict, Field
 # Fields of the OpenAI API (or of vLLM) that we do not implement. A request naming any of them with a
 # value other than its neutral default gets a 400 that lists them: never silently ignored.
 _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (0, 0.0),
-    "presence_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0),
     "logprobs": (False,),
     "echo": (False,),
     "best_of": (1,),
@@ -47,7 +44,10 @@ class _GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     # vLLM extras
+    repetition_penalty: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=-1)
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False

@@ -90,6 +90,9 @@ class OpenAIServing:
             stop=request.stop_list(),
             stop_token_ids=list(request.stop_token_ids or []),
             ignore_eos=request.ignore_eos,
+            frequency_penalty=request.frequency_penalty or 0.0,
+            presence_penalty=request.presence_penalty or 0.0,
+            repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
         )
         try:
             params.validate()  # the engine's own rules, checked before any engine is involved
