@@ -31,7 +31,7 @@ def _other_commands(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(register=lambda subparsers: None))
 
 
-def _expected_text(model_dir: str, prompt: str, max_tokens: int) -> str:
+def _expected_text(model_dir: str, prompt: str, max_tokens: int, **penalties: float) -> str:
     """The greedy completion from an in-process engine, to compare with what the CLI printed."""
     from services.engine.async_engine import AsyncLLMEngine
     from services.engine.config import EngineConfig
@@ -41,7 +41,7 @@ def _expected_text(model_dir: str, prompt: str, max_tokens: int) -> str:
         engine = AsyncLLMEngine(EngineConfig(model=model_dir))
         await engine.start()
         try:
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, **penalties)
             return "".join([o.delta_text async for o in engine.generate("expected", prompt, params)])
         finally:
             await engine.shutdown()
@@ -67,6 +67,16 @@ def test_generate_streams_text_and_timing(tiny_mixtral_dir: str, capsys: pytest.
     assert 1 <= completion_tokens <= 12
 
 
+def test_generate_penalty_flags(tiny_mixtral_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["--frequency-penalty", "1.5", "--presence-penalty", "-0.5", "--repetition-penalty", "1.3"]
+    argv = ["generate", "--model", tiny_mixtral_dir, "--prompt", PROMPT, "--max-tokens", "12", "--no-chat"]
+    assert cli.main([*argv, *flags]) == 0
+    out, _ = capsys.readouterr()
+    penalties = {"frequency_penalty": 1.5, "presence_penalty": -0.5, "repetition_penalty": 1.3}
+    assert out == _expected_text(tiny_mixtral_dir, PROMPT, 12, **penalties) + "\n"
+    assert out != _expected_text(tiny_mixtral_dir, PROMPT, 12) + "\n"
+
+
 def test_generate_applies_chat_template_by_default(
     tiny_mixtral_dir: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -85,8 +95,19 @@ def test_generate_applies_chat_template_by_default(
         (["--model", "{empty}"], "no config.json"),
         (["--model", "{model}", "--max-tokens", "0"], "max_tokens"),
         (["--model", "{model}", "--temperature", "-1"], "temperature"),
+        (["--model", "{model}", "--frequency-penalty", "2.5"], "frequency_penalty"),
+        (["--model", "{model}", "--presence-penalty", "-3"], "presence_penalty"),
+        (["--model", "{model}", "--repetition-penalty", "0"], "repetition_penalty"),
     ],
-    ids=["missing-dir", "no-config", "max-tokens-0", "negative-temperature"],
+    ids=[
+        "missing-dir",
+        "no-config",
+        "max-tokens-0",
+        "negative-temperature",
+        "frequency-penalty",
+        "presence-penalty",
+        "repetition-penalty",
+    ],
 )
 def test_generate_bad_input_exits_2(
     tiny_mixtral_dir: str,

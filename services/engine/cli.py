@@ -34,6 +34,9 @@ def register(subparsers: Any) -> None:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]; 0 = off")
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]; 0 = off")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0; 1 = off")
     gen.add_argument(
         "--chat",
         action=argparse.BooleanOptionalAction,
@@ -150,6 +153,9 @@ def run_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
         max_tokens=args.max_tokens,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
+        repetition_penalty=args.repetition_penalty,
     )
     params.validate()  # before loading the model: bad flags fail fast (InvalidRequestError is a ValueError)
     config = engine_config(args)
