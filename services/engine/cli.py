@@ -69,7 +69,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_default: str | None =
     offload.add_argument("--link", choices=("emulated", "native"), default=None)
     offload.add_argument("--link-gbps", type=float, default=None, help="emulated link bandwidth, GB/s")
     offload.add_argument("--link-ratio", type=float, default=None, help="emulated: transfer/compute per expert")
-    offload.add_argument("--prefetch-distance", type=int, default=None)
+    offload.add_argument("--prefetch-distance", type=int, default=None, help="default: the policy's own")
     offload.add_argument("--eviction", choices=tuple(EVICTION_POLICIES), default=None)
     offload.add_argument("--routing-trace", default=None, help="recorded routing (oracle, belady)")
     link = parser.add_argument_group("predictor link (policies with prediction hints)")

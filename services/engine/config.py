@@ -29,7 +29,7 @@ class EngineConfig:
     link: str = "emulated"  # emulated (CPU or GPU) | native (CUDA copy engine)
     link_gbps: float | None = None  # emulated link bandwidth in GB/s (gigabytes per second)
     link_ratio: float | None = None  # emulated: one expert's transfer = R x one expert's compute (default 30)
-    prefetch_distance: int = 2
+    prefetch_distance: int | None = None  # MoE layers ahead; None: the policy's own (2 unless it says)
     eviction: str | None = None  # override the policy's eviction policy
     routing_trace: str | None = None  # recorded routing for the oracle / belady policies
     # Predictor link (policies with prediction hints): Redis broker, or an embedded predictor without one.
@@ -64,7 +64,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {value}")
         if self.expert_cache_fraction is not None and self.expert_cache_fraction > 1:
             raise ValueError(f"expert_cache_fraction must be in (0, 1], got {self.expert_cache_fraction}")
-        if self.prefetch_distance < 1:
+        if self.prefetch_distance is not None and self.prefetch_distance < 1:
             raise ValueError(f"prefetch_distance must be at least 1, got {self.prefetch_distance}")
         check_broker_url(self.redis_url)
 

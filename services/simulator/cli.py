@@ -83,7 +83,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
     if not args.trace:
         raise ValueError("--trace is required (a routing trace file or directory), or pass --calibration")
-    if args.batch < 1 or args.prompt_tokens < 0 or args.warmup_steps < 0 or args.prefetch_distance < 1:
+    if args.batch < 1 or args.prompt_tokens < 0 or args.warmup_steps < 0 or (args.prefetch_distance or 1) < 1:
         raise ValueError(
             "--batch and --prefetch-distance must be >= 1, --prompt-tokens and --warmup-steps >= 0"
         )
@@ -122,7 +122,7 @@ def _simulate(args: argparse.Namespace) -> int:
     setting = (
         f"{spec.description}; {hw.description}, host link {hw.link_gbps:g} GB/s. Trace {trace.source}: "
         f"{len(trace.requests)} requests, {workload.decode_tokens} decode tokens, batch {args.batch}, "
-        f"prefetch distance {args.prefetch_distance}, hint latency {args.hint_latency_ms:g} ms. "
+        f"prefetch distance {args.prefetch_distance or 'per policy'}, hint latency {args.hint_latency_ms:g} ms. "
         f"GB = 1e9 bytes; TTFT '-' = the trace has no prefill. Simulated {dt.date.today().isoformat()}."
     )
     result = {
@@ -160,7 +160,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=128,
         help="context assumed for requests whose prefill the trace lacks",
     )
-    p.add_argument("--prefetch-distance", type=int, default=2)
+    p.add_argument("--prefetch-distance", type=int, default=None, help="default: each policy's own")
     p.add_argument("--hint-latency-ms", type=float, default=2.0, help="context out -> predictor hints in")
     p.add_argument("--eviction", help="override every policy's eviction (as the engine's --eviction)")
     p.add_argument("--link-gbps", type=float, help="override the profile's host-to-device bandwidth")

@@ -103,7 +103,7 @@ def build_offload(
     link_bytes_per_second: float,
     slots: int,
     trace_path: str,
-    prefetch_distance: int = 2,
+    prefetch_distance: int | None = None,
     hint_latency_s: float = 2e-3,
     eviction: str | None = None,
 ) -> SimOffload:

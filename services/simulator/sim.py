@@ -124,7 +124,7 @@ def simulate(
     cost: CostModel,
     cache_slots: int,
     trace_path: str,
-    prefetch_distance: int = 2,
+    prefetch_distance: int | None = None,
     hint_latency_s: float = 2e-3,
     eviction: str | None = None,
     warmup_steps: int = 0,

@@ -42,7 +42,7 @@ def run_sweep(
     budgets_gb: list[float],
     cost: CostModel,
     hw: HardwareProfile | None = None,
-    prefetch_distance: int = 2,
+    prefetch_distance: int | None = None,
     hint_latency_s: float = 2e-3,
     warmup_steps: int = 0,
     eviction: str | None = None,

@@ -19,6 +19,8 @@ class OffloadPolicy:
     rules: PhaseRules = field(default_factory=PhaseRules)
     needs_trace: bool = False  # replays a routing trace recorded from an identical earlier run
     predictor: str | None = None  # the predictor service's model behind the "hints" prefetcher
+    prefetch_distance: int = 2  # MoE layers ahead the local prefetchers look (--prefetch-distance overrides)
+    min_confidence: float = 0.0  # skip-gate: fetch only experts some token's guess gives this probability
 
 
 POLICIES: dict[str, OffloadPolicy] = {
@@ -49,8 +51,8 @@ POLICIES: dict[str, OffloadPolicy] = {
                       eviction="finemoe", prefetchers=("hints",), predictor="expert-map"),
         OffloadPolicy("hintserve", "ours: local skip-gate for near layers, predictor hints for far layers and "
                       "the next iteration, next-use eviction that admits only prefetches worth their victim",
-                      eviction="next-use",
-                      prefetchers=("speculative", "hints"), predictor="expert-map"),
+                      eviction="next-use", prefetchers=("speculative", "hints"), predictor="expert-map",
+                      prefetch_distance=1, min_confidence=0.45),
     )
 }
 

@@ -93,20 +93,21 @@ def make_prefetchers(
     stats: OffloadStats | None = None,
 ) -> list[Prefetcher]:
     out: list[Prefetcher] = []
+    distance = config.prefetch_distance or policy.prefetch_distance
     for name in policy.prefetchers:
         if name == "layer":
             out.append(NextLayerPrefetcher(spec.num_experts, spec.moe_layers))
         elif name == "speculative":
-            out.append(SpeculativePrefetcher(spec, weights, config.prefetch_distance))
+            out.append(SpeculativePrefetcher(spec, weights, distance, min_confidence=policy.min_confidence))
         elif name == "oracle":
-            out.append(OraclePrefetcher(_trace(config, policy.name), spec.moe_layers, config.prefetch_distance))
+            out.append(OraclePrefetcher(_trace(config, policy.name), spec.moe_layers, distance))
         elif name == "affinity":
             out.append(AffinityPrefetcher(spec.num_experts, spec.top_k, spec.moe_layers))
         elif name == "hints":
             from services.engine.predictor_setup import build_hint_prefetcher  # redis, grpc: only when used
 
             # Beside a local skip-gate, hints serve only the layers beyond its reach.
-            near = config.prefetch_distance if "speculative" in policy.prefetchers else 0
+            near = distance if "speculative" in policy.prefetchers else 0
             out.append(build_hint_prefetcher(config, spec, policy.predictor or "", near, stats))
         else:
             raise ValueError(f"unknown prefetcher {name!r}")

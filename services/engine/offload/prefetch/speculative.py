@@ -19,11 +19,17 @@ from services.engine.step_context import StepContext
 class SpeculativePrefetcher(Prefetcher):
     name = "speculative"
 
-    def __init__(self, spec: ModelSpec, weights: NonExpertWeights, distance: int = 2, extra: int = 0) -> None:
+    def __init__(
+        self, spec: ModelSpec, weights: NonExpertWeights, distance: int = 2, extra: int = 0,
+        min_confidence: float = 0.0,
+    ) -> None:
         self.spec = spec
         self.weights = weights
         self.distance = distance
         self.top_k = spec.top_k + extra  # extra > 0 trades link bandwidth for recall
+        # Guesses below this probability for every token are left out: on a link-bound decode a wrong
+        # prefetch costs a whole transfer, and the experts the cache misses are the hard-to-guess ones.
+        self.min_confidence = min_confidence
         # Precision of this step's guesses, measured against the router once the step has run: turns a
         # guess into the probability the eviction policy weighs it with.
         self.precision = 0.8
@@ -46,11 +52,14 @@ class SpeculativePrefetcher(Prefetcher):
             chosen, probs = self.guess(layer, target, ctx)
             experts, votes = chosen.flatten().unique(return_counts=True)
             mean = probs.mean(dim=0)
+            confidence = probs.max(dim=0).values.tolist()
             for e, n in zip(experts.tolist(), votes.tolist()):
+                if confidence[e] < self.min_confidence:
+                    continue
                 p_used = 1.0 - miss**n  # some token of the batch routes to e
                 requests.append(PrefetchRequest(target, e, float(mean[e]) / hops, next_step, p_used))
             if not next_step:
-                self._guesses.setdefault(target, set()).update(experts.tolist())
+                self._guesses.setdefault(target, set()).update(r.expert for r in requests if r.layer == target)
         return requests
 
     def on_step_end(self, ctx: StepContext) -> None:
