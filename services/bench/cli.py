@@ -39,7 +39,7 @@ def _policies(text: str) -> list[str]:
     from services.engine.offload.eviction import EVICTION_POLICIES
     from services.engine.offload.policies import POLICIES
 
-    policies = list(POLICIES) if text == "all" else text.split(",")
+    policies = [p for item in text.split(",") for p in (POLICIES if item == "all" else [item])]
     unknown = [p for p in policies if p.partition("@")[0] not in POLICIES
                or p.partition("@")[2] not in ("", *EVICTION_POLICIES)]
     if unknown:
