@@ -41,8 +41,9 @@ def suite_commands(model: str, out: str, quick: bool = False) -> list[list[str]]
     repeats = "1" if quick else "3"
     cmds = [
         ["bench", "engine", "--model", model, "--json", path("engine.json"), "--repeats", "1" if quick else "2"],
-        ["bench", "offload", "--model", model, "--cache", "25%", "--link-ratio", "30", "--batch", "1,4,16",
-         "--repeats", repeats, "--json", path("offload.json")],
+        ["bench", "offload", "--model", model, "--policies", "all,lru@next-use,speculative@next-use",
+         "--cache", "25%", "--link-ratio", "30", "--batch", "1,4,16", "--repeats", repeats,
+         "--json", path("offload.json")],
     ]
     if not quick:
         cmds.append(["bench", "offload", "--model", model, "--cache", "10%,25%,50%", "--link-ratio", "10,30,100",
@@ -55,7 +56,7 @@ def suite_commands(model: str, out: str, quick: bool = False) -> list[list[str]]
     mixtral = os.path.join(SHARED, ROUTING["mixtral"])
     if os.path.exists(mixtral):
         cmds.append(["simulate", "--model-spec", "mixtral-8x7b", "--hardware", "a5000-pcie4", "--trace", mixtral,
-                     "--policies", "all", "--json", path("simulate_mixtral_a5000.json")])
+                     "--policies", "all", "--json", path("simulate_mixtral_a5000.json"), "--quiet"])
     return cmds
 
 
