@@ -93,6 +93,11 @@ def test_predict_shape_normalisation_and_snapshot_round_trip(name: str, trace: T
     clone.restore(pred.snapshot())
     again = np.stack([clone.predict(q) for q, _ in queries])
     np.testing.assert_allclose(again, scores, rtol=1e-5, atol=1e-6)
+    if name != "random":  # the service scores every layer ahead at once: same answer as one at a time
+        q = queries[0][0]
+        ahead = list(range(q.target_layer, L))
+        one_by_one = np.stack([clone.predict(PredictionQuery(q.history, q.current, t)) for t in ahead])
+        np.testing.assert_allclose(clone.predict_layers(q, ahead), one_by_one, rtol=1e-5, atol=1e-6)
 
 
 def test_expert_mlp_beats_popularity_on_structured_trace(trace: TraceSet) -> None:

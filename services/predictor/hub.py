@@ -147,7 +147,7 @@ class PredictorHub:
         max_experts = sel.max_experts or 2 * shape.top_k
         if not targets:
             return []
-        scores = np.stack([state.predictor.predict(PredictionQuery(history, current, layer)) for layer in targets])
+        scores = state.predictor.predict_layers(PredictionQuery(history, current, targets[0]), targets)
         if scores.shape != (len(targets), shape.num_experts):
             raise RuntimeError(f"predictor returned scores of shape {scores.shape[1:]} for {shape}")
         experts, probs, confidence = select_experts(scores, shape.top_k, sel.mass, max_experts)

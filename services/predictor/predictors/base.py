@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,11 @@ class Predictor(ABC):
     @abstractmethod
     def predict(self, query: PredictionQuery) -> np.ndarray:
         """Scores over the experts of `query.target_layer` ([experts], higher = more likely)."""
+
+    def predict_layers(self, query: PredictionQuery, targets: list[int]) -> np.ndarray:
+        """Scores for several target layers of one query ([targets, experts]); predictors that can score
+        them at once override this (the service asks for every layer still ahead of each context)."""
+        return np.stack([self.predict(replace(query, target_layer=t)) for t in targets])
 
     def snapshot(self) -> dict[str, Any]:
         """State to persist (map store, EAMC); restored with `restore`."""

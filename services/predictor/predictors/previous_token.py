@@ -13,8 +13,11 @@ class PreviousTokenPredictor(Predictor):
     name = "previous-token"
 
     def predict(self, query: PredictionQuery) -> np.ndarray:
+        return self.predict_layers(query, [query.target_layer])[0]
+
+    def predict_layers(self, query: PredictionQuery, targets: list[int]) -> np.ndarray:
         if not query.history:
-            return np.full(self.num_experts, 1.0 / self.num_experts, np.float32)
+            return np.full((len(targets), self.num_experts), 1.0 / self.num_experts, np.float32)
         prev = query.history[-1]
         # The selected experts first; the previous router distribution orders the rest (recall at budget > k).
-        return 0.9 * row_normalise(prev.counts[query.target_layer]) + 0.1 * row_normalise(prev.probs[query.target_layer])
+        return 0.9 * row_normalise(prev.counts[targets]) + 0.1 * row_normalise(prev.probs[targets])
