@@ -153,7 +153,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     online.add_argument("--model", default="models/demo-moe")
     online.add_argument("--policies", default="all")
     online.add_argument("--duration", type=float, default=60.0, help="replayed seconds per policy")
-    online.add_argument("--speedup", type=float, default=0.05, help="trace time scale (what 2 cores can serve)")
+    online.add_argument("--speedup", type=float, default=0.2, help="trace time scale (what 2 cores can serve)")
     online.add_argument("--max-context", type=int, default=256)
     online.add_argument("--cache", default="25%")
     online.add_argument("--link-ratio", default="30")

@@ -58,7 +58,7 @@ def run_online_bench(
     policies: list[str],
     json_path: str,
     duration: float = 60.0,
-    speedup: float = 0.05,
+    speedup: float = 0.2,
     max_context: int = 256,
     cache: float = 0.25,
     ratio: float = 30.0,

@@ -51,8 +51,7 @@ POLICIES: dict[str, OffloadPolicy] = {
                       eviction="finemoe", prefetchers=("hints",), predictor="expert-map"),
         OffloadPolicy("hintserve", "ours: local skip-gate for near layers, predictor hints for far layers and "
                       "the next iteration, next-use eviction that admits only prefetches worth their victim",
-                      eviction="next-use", prefetchers=("speculative", "hints"), predictor="expert-map",
-                      prefetch_distance=1, min_confidence=0.45),
+                      eviction="next-use", prefetchers=("speculative", "hints"), predictor="expert-map"),
     )
 }
 
