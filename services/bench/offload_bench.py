@@ -37,7 +37,11 @@ class Row:
 
 
 def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams):
-    """Submits all prompts at once; returns (tokens per request, TTFT s, TPOT s, stats after prefill)."""
+    """Submits all prompts at once; returns (tokens per request, TTFT s, TPOT s, (counters moved by the
+    prefill, counters moved by the whole run)); counters are relative to the engine's before the run, so
+    an earlier warm-up run does not count."""
+    before = engine.stats()
+    delta = lambda: {k: v - before.get(k, 0.0) for k, v in engine.stats().items()}  # noqa: E731
     start = time.perf_counter()
     seqs = [engine.add_request(f"bench-{i}", p, params) for i, p in enumerate(prompts)]
     first: dict[str, float] = {}
@@ -50,26 +54,29 @@ def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams):
             first.setdefault(out.request_id, now)
             last[out.request_id] = now
         if after_prefill is None and len(first) == len(seqs):
-            after_prefill = engine.stats()
+            after_prefill = delta()
     ttft = statistics.mean(first[s.request_id] - start for s in seqs)
     n = params.max_tokens
     tpot = statistics.mean((last[s.request_id] - first[s.request_id]) / (n - 1) for s in seqs)
-    return [s.completion_token_ids for s in seqs], ttft, tpot, after_prefill
+    return [s.completion_token_ids for s in seqs], ttft, tpot, (after_prefill, delta())
 
 
-def _row(policy, cache, ratio, batch, engine, tokens, expected, ttft, tpot, after_prefill, decode_tokens) -> Row:
-    experts = engine.model.experts
-    s = getattr(experts, "stats", None)
+def _sum(stats: dict[str, float], *prefixes: str) -> float:
+    return sum(v for k, v in stats.items() if k.startswith(prefixes))
+
+
+def _row(policy, cache, ratio, batch, engine, tokens, expected, ttft, tpot, counters, decode_tokens) -> Row:
+    s = getattr(engine.model.experts, "stats", None)
     if s is None:  # resident: every expert always there
         return Row(policy, cache, ratio, batch, ttft * 1e3, tpot * 1e3, 1.0, 1.0, 0.0, 0.0,
                    engine.device_bytes() / 2**20, 0, 0.0, True)
-    pre = after_prefill
-    pre_hits = sum(v for k, v in pre.items() if k.startswith(("offload_expert_hits_total", "offload_expert_inflight")))
-    pre_queries = sum(v for k, v in pre.items() if k.startswith("offload_expert_queries_total"))
-    hits = sum(s.hits) + sum(s.inflight_hits) - pre_hits
-    queries = s.accesses - pre_queries
-    moved = s.bytes_demand + s.bytes_prefetch
-    moved_pre = pre['offload_bytes_moved_total{kind="demand"}'] + pre['offload_bytes_moved_total{kind="prefetch"}']
+    pre, run = counters
+    hit_keys = ("offload_expert_hits_total", "offload_expert_inflight")
+    moved_keys = ('offload_bytes_moved_total{kind="demand"}', 'offload_bytes_moved_total{kind="prefetch"}')
+    pre_hits, pre_queries = _sum(pre, *hit_keys), _sum(pre, "offload_expert_queries_total")
+    hits, queries = _sum(run, *hit_keys) - pre_hits, _sum(run, "offload_expert_queries_total") - pre_queries
+    issued, used = run["offload_prefetches_issued_total"], run["offload_prefetches_used_total"]
+    blocking = run["offload_blocking_seconds_total"] - pre["offload_blocking_seconds_total"]
     return Row(
         policy=policy,
         cache_fraction=cache,
@@ -79,11 +86,11 @@ def _row(policy, cache, ratio, batch, engine, tokens, expected, ttft, tpot, afte
         tpot_ms=tpot * 1e3,
         hit_rate=hits / queries if queries else 0.0,
         prefill_hit_rate=pre_hits / pre_queries if pre_queries else 0.0,
-        blocking_ms_per_token=(s.blocking_seconds - pre["offload_blocking_seconds_total"]) * 1e3 / decode_tokens,
-        mb_per_token=(moved - moved_pre) / 2**20 / decode_tokens,
+        blocking_ms_per_token=blocking * 1e3 / decode_tokens,
+        mb_per_token=(_sum(run, *moved_keys) - _sum(pre, *moved_keys)) / 2**20 / decode_tokens,
         peak_device_mb=engine.device_bytes() / 2**20,
         peak_expert_slots_in_use=s.peak_slots_in_use,
-        prefetch_precision=s.prefetch_precision(),
+        prefetch_precision=used / issued if issued else 0.0,
         tokens_identical_to_resident=tokens == expected,
     )
 
@@ -102,15 +109,19 @@ def run_offload_bench(
     link: str = "emulated",
 ) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    # A serving engine's cache is warm from earlier traffic: every engine first serves other prompts (not
+    # measured), and the reference does the same so that recorded and replayed steps line up.
+    warm_params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     rows: list[Row] = []
     trace_dir = tempfile.mkdtemp(prefix="hintserve-trace-")
     cases = [(c, r, b) for c in caches for r in ratios for b in batches]
     progress = tqdm(total=len(cases) * len(policies) * repeats, desc="bench offload", unit="run")
     for cache, ratio, batch in cases:
         reference = LLMEngine(EngineConfig(model=model_dir, max_num_seqs=max(batch, 1), device=device))
-        prompts = prompt_ids(reference.tokenizer, batch)
+        warm, prompts = _split(prompt_ids(reference.tokenizer, 2 * batch), batch)
         trace = RoutingTrace(reference.spec.num_layers)
         reference.runner.step_observers.append(trace)
+        _run(reference, warm, warm_params)
         expected, *_ = _run(reference, prompts, params)
         trace_path = os.path.join(trace_dir, f"trace-b{batch}.json")
         trace.save(trace_path)
@@ -124,9 +135,10 @@ def run_offload_bench(
                     expert_cache_fraction=cache, link_ratio=ratio, routing_trace=trace_path,
                     device=device, link=link,
                 ))
-                tokens, ttft, tpot, after_prefill = _run(engine, prompts, params)
+                _run(engine, warm, warm_params)
+                tokens, ttft, tpot, counters = _run(engine, prompts, params)
                 samples.append(_row(policy, cache, ratio, batch, engine, tokens, expected, ttft, tpot,
-                                    after_prefill, batch * (new_tokens - 1)))
+                                    counters, batch * (new_tokens - 1)))
                 engine.close()
                 progress.update()
             rows.append(_median_row(samples))
@@ -135,6 +147,11 @@ def run_offload_bench(
               "repeats": repeats, "device": device, "link": link, "rows": [asdict(r) for r in rows]}
     _report(result, rows, json_path, plot_path or os.path.splitext(json_path)[0] + ".png")
     return result
+
+
+def _split(prompts: list[list[int]], batch: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(warm-up prompts, measured prompts): the measured ones are the same whatever the warm-up."""
+    return prompts[batch:] or prompts[:batch], prompts[:batch]
 
 
 def _median_row(samples: list[Row]) -> Row:
