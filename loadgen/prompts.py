@@ -51,7 +51,9 @@ def load_tokenizer(path: str) -> Any:
     """A local Hugging Face tokenizer (never downloads)."""
     from transformers import AutoTokenizer  # slow import: only when a tokenizer is used
 
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer.model_max_length = 1 << 30  # we only count and cut tokens; never feed a model from here
+    return tokenizer
 
 
 def has_tokenizer(path: str | None) -> bool:
