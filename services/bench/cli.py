@@ -153,11 +153,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     online.add_argument("--model", default="models/demo-moe")
     online.add_argument("--policies", default="all")
     online.add_argument("--duration", type=float, default=60.0, help="replayed seconds per policy")
-    online.add_argument("--speedup", type=float, default=0.2, help="trace time scale (what 2 cores can serve)")
+    online.add_argument("--speedup", type=float, default=0.4, help="trace time scale (what 2 cores can serve)")
     online.add_argument("--max-context", type=int, default=256)
     online.add_argument("--cache", default="25%")
     online.add_argument("--link-ratio", default="30")
-    online.add_argument("--goodput", nargs="+", default=["ttft:2000", "tpot:200"], help="SLOs, e.g. ttft:2000")
+    online.add_argument("--goodput", nargs="+", default=["ttft:300", "tpot:50"], help="SLOs, e.g. ttft:2000")
     online.add_argument("--json", default="bench/results/online.json")
     online.set_defaults(func=_online)
 

@@ -58,7 +58,7 @@ def run_online_bench(
     policies: list[str],
     json_path: str,
     duration: float = 60.0,
-    speedup: float = 0.2,
+    speedup: float = 0.4,
     max_context: int = 256,
     cache: float = 0.25,
     ratio: float = 30.0,
@@ -67,7 +67,7 @@ def run_online_bench(
     from loadgen.plot import plot_cdfs
     from loadgen.replay import ReplayConfig, arun_replay
 
-    slos = slos or {"ttft": 2000.0, "tpot": 200.0}
+    slos = slos or {"ttft": 300.0, "tpot": 50.0}
     runs: dict[str, dict] = {}
     for policy in tqdm([p for p in policies if p not in _TRACE_POLICIES], desc="bench online", unit="policy"):
         port = _free_port()
