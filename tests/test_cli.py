@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import importlib
 import re
 import signal
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -19,16 +17,6 @@ TIMING = re.compile(
     r"^\[hintserve\] prompt (\d+) tok, (\d+) tok generated in [\d.]+ s \(TTFT \d+ ms, [\d.]+ tok/s decode\)$"
 )
 PROMPT = "The quick brown fox"
-
-
-@pytest.fixture(autouse=True)
-def _other_commands(monkeypatch: pytest.MonkeyPatch) -> None:
-    """services.cli also loads other services' commands; stand in for any that do not exist yet."""
-    for name in cli._COMMAND_MODULES:
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError:
-            monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(register=lambda subparsers: None))
 
 
 def _expected_text(model_dir: str, prompt: str, max_tokens: int, **penalties: float) -> str:

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
-import types
 
 import numpy as np
 import pytest
@@ -18,16 +15,6 @@ from tests.test_predictor_predictors import synthetic_trace
 
 ROW_KEYS = {"predictor", "distance", "exact_hit", "at_least_one", "recall_at_budget", "budget", "n_predictions",
             "goodpred", "fetch_rate"}
-
-
-@pytest.fixture(autouse=True)
-def _other_commands(monkeypatch: pytest.MonkeyPatch) -> None:
-    """services.cli loads every service's commands; stand in for any that do not exist yet."""
-    for name in cli._COMMAND_MODULES:
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError:
-            monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(register=lambda subparsers: None))
 
 
 @pytest.fixture(autouse=True, scope="module")
