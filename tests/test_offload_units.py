@@ -197,3 +197,16 @@ def test_next_use_and_belady_admit_only_prefetches_worth_their_victim() -> None:
     # At step 0 layer 0: (1, 1) is used at step 0 layer 1, (0, 2) at step 1, (1, 3) only at step 2.
     assert belady.admit((0, 2), (1, 3), _ctx(0), 0)
     assert not belady.admit((1, 3), (1, 1), _ctx(0), 0)
+
+
+def test_guess_tracker_measures_precision_and_mean_probability() -> None:
+    from services.engine.offload.prefetch.base import GuessTracker
+
+    tracker = GuessTracker(precision=0.5, mean_probability=0.5, weight=1.0)  # weight 1: the last step only
+    tracker.guess(0, 1, 0.9)
+    tracker.guess(0, 2, 0.3)
+    tracker.guess(1, 3, 0.6)
+    tracker.step_end(_decode_step(["a"], {0: [[1, 0]], 1: [[2, 3]]}))
+    assert tracker.precision == 2 / 3 and abs(tracker.mean_probability - 0.6) < 1e-9
+    tracker.step_end(_decode_step(["a"], {0: [[1, 0]]}))  # nothing guessed this step: unchanged
+    assert tracker.precision == 2 / 3

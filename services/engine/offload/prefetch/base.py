@@ -17,6 +17,38 @@ class PrefetchRequest:
     probability: float | None = None  # that the target layer asks for it (eviction's view); None: priority
 
 
+class GuessTracker:
+    """How often a prefetcher's guesses for layers of the same step were then routed to (an EMA over steps),
+    and the mean probability it gave them: what turns its scores into probabilities the eviction policy can
+    weigh a prefetch by."""
+
+    def __init__(self, precision: float, mean_probability: float = 1.0, weight: float = 0.1) -> None:
+        self.precision = precision
+        self.mean_probability = mean_probability
+        self.weight = weight
+        self._guessed: dict[int, dict[int, float]] = {}  # target layer -> expert -> probability given
+
+    def guess(self, layer: int, expert: int, probability: float = 1.0) -> None:
+        self._guessed.setdefault(layer, {})[expert] = probability
+
+    def step_end(self, ctx: StepContext) -> None:
+        right = total = 0
+        mass = 0.0
+        for layer, guessed in self._guessed.items():
+            actual = ctx.selected_experts.get(layer)
+            if actual is None:
+                continue
+            routed = set(actual.flatten().tolist())
+            right += sum(1 for e in guessed if e in routed)
+            total += len(guessed)
+            mass += sum(guessed.values())
+        self._guessed.clear()
+        if total:
+            w = self.weight
+            self.precision = (1 - w) * self.precision + w * right / total
+            self.mean_probability = (1 - w) * self.mean_probability + w * mass / total
+
+
 class Prefetcher(ABC):
     name: str = ""
 

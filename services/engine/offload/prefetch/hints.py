@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from services.engine.offload.prefetch.base import Prefetcher, PrefetchRequest, targets
+from services.engine.offload.prefetch.base import GuessTracker, Prefetcher, PrefetchRequest, targets
 from services.engine.offload.stats import OffloadStats
 from services.engine.step_context import StepContext
 
@@ -70,9 +70,7 @@ class HintPrefetcher(Prefetcher):
         self._closers: list[Callable[[], None]] = []
         # Calibration: the predictor's probabilities are scaled so that, on average, they match how often
         # its hinted experts were then routed to (the eviction policy weighs a prefetch by them).
-        self.precision = 0.5
-        self.mean_probability = 0.5
-        self._hinted: dict[int, dict[int, float]] = {}  # same-step target layer -> expert -> probability
+        self.calibration = GuessTracker(precision=0.5, mean_probability=0.5)
 
     # ---- the link's side ----
     def submit(self, hints: Iterable[HintLike]) -> tuple[int, int, int]:
@@ -129,17 +127,17 @@ class HintPrefetcher(Prefetcher):
                         key = (target, expert, next_step)
                         miss[key] = miss.get(key, 1.0) * (1.0 - min(max(p, 0.0), 1.0))
                         hops_of[key] = hops
-        scale = self.precision / max(self.mean_probability, 1e-3)
+        scale = self.calibration.precision / max(self.calibration.mean_probability, 1e-3)
         requests = []
         for (t, e, n), q in miss.items():
             p = 1.0 - q
             if not n:
-                self._hinted.setdefault(t, {})[e] = p
+                self.calibration.guess(t, e, p)
             requests.append(PrefetchRequest(t, e, p / hops_of[(t, e, n)], n, min(1.0, p * scale)))
         return requests
 
     def on_step_end(self, ctx: StepContext) -> None:
-        self._calibrate(ctx)
+        self.calibration.step_end(ctx)
         with self._lock:
             for rid, it in zip(ctx.request_ids, ctx.iterations):
                 self._progress.pop(rid, None)
@@ -148,22 +146,6 @@ class HintPrefetcher(Prefetcher):
             _trim(self._progress)
         for observe in self.step_observers:
             observe(ctx)
-
-    def _calibrate(self, ctx: StepContext) -> None:
-        right = total = 0
-        mass = 0.0
-        for target, hinted in self._hinted.items():
-            actual = ctx.selected_experts.get(target)
-            if actual is None:
-                continue
-            routed = set(actual.flatten().tolist())
-            right += sum(1 for e in hinted if e in routed)
-            total += len(hinted)
-            mass += sum(hinted.values())
-        self._hinted.clear()
-        if total:
-            self.precision = 0.9 * self.precision + 0.1 * right / total
-            self.mean_probability = 0.9 * self.mean_probability + 0.1 * mass / total
 
     def pending(self) -> int:
         """Request iterations holding hints (tests, debugging)."""

@@ -12,7 +12,7 @@ from services.engine.models.attention import rms_norm
 from services.engine.models.router import route
 from services.engine.models.spec import ModelSpec
 from services.engine.models.weights import NonExpertWeights
-from services.engine.offload.prefetch.base import Prefetcher, PrefetchRequest, targets
+from services.engine.offload.prefetch.base import GuessTracker, Prefetcher, PrefetchRequest, targets
 from services.engine.step_context import StepContext
 
 
@@ -30,10 +30,9 @@ class SpeculativePrefetcher(Prefetcher):
         # Guesses below this probability for every token are left out: on a link-bound decode a wrong
         # prefetch costs a whole transfer, and the experts the cache misses are the hard-to-guess ones.
         self.min_confidence = min_confidence
-        # Precision of this step's guesses, measured against the router once the step has run: turns a
-        # guess into the probability the eviction policy weighs it with.
-        self.precision = 0.8
-        self._guesses: dict[int, set[int]] = {}  # same-step target layer -> experts guessed
+        # Precision of the guesses, measured against the router once the step has run: turns a guess into
+        # the probability the eviction policy weighs it with.
+        self.tracker = GuessTracker(precision=0.8)
 
     def guess(self, layer: int, target: int, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """(experts [tokens, k], scores [tokens, experts]) `target`'s router would pick from `layer`'s input:
@@ -47,28 +46,20 @@ class SpeculativePrefetcher(Prefetcher):
 
     def plan(self, layer: int, ctx: StepContext) -> list[PrefetchRequest]:
         requests = []
-        miss = 1.0 - self.precision
+        miss = 1.0 - self.tracker.precision
         for hops, target, next_step in targets(layer, self.distance, self.spec.moe_layers):
             chosen, probs = self.guess(layer, target, ctx)
             experts, votes = chosen.flatten().unique(return_counts=True)
             mean = probs.mean(dim=0)
-            confidence = probs.max(dim=0).values.tolist()
+            confidence = probs.max(dim=0).values.tolist() if self.min_confidence > 0 else None
             for e, n in zip(experts.tolist(), votes.tolist()):
-                if confidence[e] < self.min_confidence:
+                if confidence is not None and confidence[e] < self.min_confidence:
                     continue
                 p_used = 1.0 - miss**n  # some token of the batch routes to e
                 requests.append(PrefetchRequest(target, e, float(mean[e]) / hops, next_step, p_used))
-            if not next_step:
-                self._guesses.setdefault(target, set()).update(r.expert for r in requests if r.layer == target)
+                if not next_step:
+                    self.tracker.guess(target, e)
         return requests
 
     def on_step_end(self, ctx: StepContext) -> None:
-        right = total = 0
-        for target, guessed in self._guesses.items():
-            actual = ctx.selected_experts.get(target)
-            if actual is not None:
-                right += len(guessed & set(actual.flatten().tolist()))
-                total += len(guessed)
-        self._guesses.clear()
-        if total:
-            self.precision = 0.9 * self.precision + 0.1 * right / total
+        self.tracker.step_end(ctx)
