@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from services.engine.expert_provider import ExpertProvider
+from services.engine.expert_provider import ExpertProvider, ExpertWeights
 from services.engine.models.router import Routing
 from services.engine.step_context import StepContext
 
@@ -13,6 +13,11 @@ from services.engine.step_context import StepContext
 def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
     return F.linear(F.silu(gate) * up, down)
+
+
+def expert_forward(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
+    """One routed expert on the tokens routed to it: the single entry point every executor calls."""
+    return swiglu(x, w.gate_up, w.down)
 
 
 def moe_forward(
@@ -38,7 +43,7 @@ def moe_forward(
     for expert in provider.begin_layer(layer, active, ctx):
         start, end = offsets[expert], offsets[expert + 1]
         w = provider.get(layer, expert)
-        y = swiglu(x[token_of_assignment[start:end]], w.gate_up, w.down)
+        y = expert_forward(x[token_of_assignment[start:end]], w)
         outputs[start:end] = y * weight_of_assignment[start:end]
     # Un-sort and add each token's k expert outputs (index_add_ is far slower on CPU for small batches).
     out = outputs.index_select(0, torch.argsort(order)).view(x.shape[0], top_k, -1).sum(dim=1)
