@@ -21,11 +21,12 @@ from services.engine.models.spec import load_hf_config, spec_from_config
 from services.engine.offload.setup import build_expert_provider
 from services.engine.output_processor import RequestStream, process_token
 from services.engine.outputs import RequestOutput
-from services.engine.sampling_params import SamplingParams
+from services.engine.sampling_params import SamplingParams, is_valid_utf8
 from services.engine.scheduler import Scheduler
 from services.engine.sequence import Sequence
 
 _MAX_DEFAULT_CONTEXT = 4096
+MAX_REQUEST_ID_CHARS = 256  # the id is echoed in every streamed message: a long one would multiply
 _MAX_DEFAULT_KV_BYTES = 2 << 30
 
 
@@ -84,19 +85,25 @@ class LLMEngine:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
-                raise InvalidRequestError("prompt must not be empty")
+                raise InvalidRequestError("prompt must not be empty", "prompt")
+            if not is_valid_utf8(prompt):
+                raise InvalidRequestError("prompt must be valid UTF-8 (no lone surrogates)", "prompt")
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         if not prompt:
             raise InvalidRequestError("prompt token ids must not be empty")
         vocab = self.spec.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
+        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
-            raise InvalidRequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+            raise InvalidRequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}", "prompt")
         return list(prompt)
 
     def make_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """Validates a request and builds its sequence; raises InvalidRequestError with a clear message."""
-        params.validate()
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidRequestError(
+                f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}", "request_id"
+            )
+        params.validate(self.spec.vocab_size)
         ids = self.tokenize(prompt)
         if not ids:
             raise InvalidRequestError("prompt tokenizes to zero tokens")

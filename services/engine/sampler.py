@@ -139,11 +139,18 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
 def sample(
     logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...], default_generator: torch.Generator
 ) -> list[int]:
-    """logits: [batch, vocab] fp32, one row per sequence. Returns one token id per sequence."""
+    """logits: [batch, vocab] fp32, one row per sequence. Returns one token id per sequence.
+
+    Admission validated every parameter against the vocabulary; ids and top_k are still clamped to it here,
+    so that no single request's values can raise inside the batch (which would fail all of them).
+    """
+    vocab = logits.shape[-1]
     for i, seq in enumerate(seqs):
         p = seq.params
         if seq.num_completion_tokens < p.min_tokens:
-            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
+            banned = [t for t in p.stop_token_ids if 0 <= t < vocab]
+            if not p.ignore_eos:
+                banned += [t for t in eos_ids if 0 <= t < vocab]
             if banned:
                 logits[i, banned] = _NEG_INF
     apply_penalties(logits, seqs)
@@ -151,11 +158,10 @@ def sample(
     if all(greedy):
         return logits.argmax(dim=-1).tolist()
 
-    vocab = logits.shape[-1]
     temps = torch.tensor([s.params.temperature if not g else 1.0 for s, g in zip(seqs, greedy)])
     scaled = logits / temps[:, None]
     if any(s.params.top_k > 0 or s.params.top_p < 1.0 for s in seqs):
-        top_k = torch.tensor([s.params.top_k if s.params.top_k > 0 else vocab for s in seqs])
+        top_k = torch.tensor([min(s.params.top_k, vocab) if s.params.top_k > 0 else vocab for s in seqs])
         top_p = torch.tensor([s.params.top_p for s in seqs])
         scaled = _filter_top_k_top_p(scaled, top_k, top_p)
     probs = scaled.softmax(dim=-1)

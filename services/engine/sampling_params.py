@@ -7,6 +7,24 @@ from dataclasses import dataclass, field
 
 from services.engine.errors import InvalidRequestError
 
+# The proto's integer types (engine.proto): every path into the engine must fit them.
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def is_valid_utf8(text: str) -> bool:
+    """False for strings holding lone surrogates (JSON allows "\\ud800"; UTF-8 and tokenizers do not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise InvalidRequestError(f"{name} must be an integer in [{low}, {high}], got {value!r}", name)
+
 
 @dataclass
 class SamplingParams:
@@ -25,23 +43,29 @@ class SamplingParams:
     # vLLM / HF: every token id of the prompt or the output gets logit / p if positive, else logit * p.
     repetition_penalty: float = 1.0
 
-    def validate(self) -> None:
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raises InvalidRequestError naming the first bad field; with `vocab_size`, token ids are checked
+        against the vocabulary too (an out-of-vocabulary stop id would otherwise fail inside the sampler)."""
+        _check_int("top_k", self.top_k, -1, INT32_MAX)
+        _check_int("max_tokens", self.max_tokens, 1, INT32_MAX)
+        _check_int("min_tokens", self.min_tokens, 0, INT32_MAX)
+        if self.seed is not None:
+            _check_int("seed", self.seed, INT64_MIN, INT64_MAX)
+        top_id = INT32_MAX if vocab_size is None else vocab_size - 1
+        for token in self.stop_token_ids:
+            _check_int("stop_token_ids", token, 0, top_id)
         if not 0.0 <= self.temperature <= 100.0:
             raise InvalidRequestError(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise InvalidRequestError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
-        if self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequestError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
         if any(not s for s in self.stop):
-            raise InvalidRequestError("stop strings must be non-empty")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise InvalidRequestError("stop_token_ids must be non-negative")
+            raise InvalidRequestError("stop strings must be non-empty", "stop")
+        if not all(is_valid_utf8(s) for s in self.stop):
+            raise InvalidRequestError("stop strings must be valid UTF-8 (no lone surrogates)", "stop")
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:  # also rejects NaN

@@ -3,52 +3,31 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.gateway.admin import build_replay_config, check_admin, load_replay_module
 from services.gateway.errors import APIError, bad_request
 from services.gateway.middleware import GatewayMiddleware
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.request_body import parse_json, parse_request
 
 if TYPE_CHECKING:
     from services.gateway.server import Gateway
 
-M = TypeVar("M", bound=BaseModel)
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"; counted, never sent
 
 
 def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-
-
-def parse_json(body: bytes) -> Any:
-    try:
-        return json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise bad_request(f"malformed JSON body: {exc}", code="invalid_json") from exc
-
-
-def parse_request(body: bytes, model: type[M]) -> M:
-    obj = parse_json(body)
-    if not isinstance(obj, dict):
-        raise bad_request("the body must be a JSON object")
-    try:
-        return model.model_validate(obj)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param=param) from exc
 
 
 async def until_disconnected(raw: Request, work: Awaitable[Any]) -> Any:

@@ -88,7 +88,7 @@ def from_engine_error(exc: BaseException, prompt_param: str | None = None) -> AP
     if isinstance(exc, ContextLengthExceededError):
         return context_length_exceeded(str(exc), prompt_param)
     if isinstance(exc, InvalidRequestError):
-        return bad_request(str(exc))
+        return bad_request(str(exc), param=exc.param)
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"engine failed: {exc}", code="engine_unavailable", retriable=True)
     if isinstance(exc, grpc.aio.AioRpcError):

@@ -6,9 +6,11 @@ streamed chunk would cost CPU for nothing.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from services.engine.sampling_params import INT32_MAX, INT64_MAX, INT64_MIN
 
 # Fields of the OpenAI API (or of vLLM) that we do not implement. A request naming any of them with a
 # value other than its neutral default gets a 400 that lists them: never silently ignored.
@@ -20,27 +22,31 @@ _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "tools": ([],),
     "functions": ([],),
 }
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_SEQUENCES = 16
+MAX_STOP_TOKEN_IDS = 256
+# Token ids travel as int32 (engine.proto); the vocabulary bound is checked once the model is known.
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+# strict: as OpenAI, "2" is not an integer and "yes" not a boolean (ints are still accepted as floats).
+_STRICT = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
 class _GenerationRequest(BaseModel):
     """Fields shared by chat and completions. Extra fields are kept so they can be named in the 400."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = _STRICT
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(default=None, ge=0.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=INT32_MAX)
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=_INT64_MIN, le=_INT64_MAX)
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -48,10 +54,10 @@ class _GenerationRequest(BaseModel):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     # vLLM extras
     repetition_penalty: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
-    top_k: int | None = Field(default=None, ge=-1)
-    min_tokens: int = Field(default=0, ge=0)
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
+    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -64,13 +70,13 @@ class _GenerationRequest(BaseModel):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = _STRICT
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = _STRICT
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -79,12 +85,12 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     # OpenAI's newer name for max_tokens; when both are given this one wins, as in vLLM.
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)  # the legacy completions API defaults to 16
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX)  # the legacy completions API defaults to 16
 
 
 def unsupported_fields(request: BaseModel, prefix: str = "") -> list[str]:

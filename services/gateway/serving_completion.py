@@ -29,7 +29,8 @@ class OpenAIServingCompletion:
 
     def _prompt_ids(self, prompt: str | list[int], param: str) -> str | list[int]:
         if isinstance(prompt, list):
-            return prompt  # the engine checks the ids against its vocabulary
+            self.serving.check_token_ids(prompt, param)
+            return prompt
         if not prompt:
             raise bad_request("prompt must not be empty", param=param)
         if self.serving.tokenizer is None:

@@ -94,11 +94,23 @@ class OpenAIServing:
             presence_penalty=request.presence_penalty or 0.0,
             repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
         )
-        try:
-            params.validate()  # the engine's own rules, checked before any engine is involved
+        try:  # the engine's own rules, checked before any engine is involved
+            params.validate(self.vocab_size)
         except InvalidRequestError as exc:
-            raise bad_request(str(exc)) from exc
+            raise bad_request(str(exc), param=exc.param) from exc
         return params
+
+    @property
+    def vocab_size(self) -> int | None:
+        info = self.pool.model_info()
+        return int(info["vocab_size"]) if info and info.get("vocab_size") else None
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        """Prompt token ids must lie in the vocabulary (the engine would refuse them; refuse them first)."""
+        vocab = self.vocab_size
+        bad = [t for t in ids if vocab is not None and t >= vocab]
+        if bad:
+            raise bad_request(f"{param}: token ids out of range [0, {vocab}): {bad[:5]}", param=param)
 
     def encode(self, text: str) -> list[int]:
         # add_special_tokens=False, as the engine does for text: templates and prompts carry their own.
