@@ -63,7 +63,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_default: str | None =
     parser.add_argument("--kv-cache-mb", type=int, default=None)
     offload = parser.add_argument_group("expert offload")
     offload.add_argument("--offload-policy", choices=tuple(POLICIES), default=None, help="default: resident")
-    offload.add_argument("--expert-cache-gb", type=float, default=None, help="device expert cache budget")
+    offload.add_argument("--expert-cache-gb", type=float, default=None, help="device expert cache budget in GB (1e9 bytes)")
     offload.add_argument("--expert-cache-experts", type=int, default=None, help="device expert cache slots")
     offload.add_argument("--expert-cache-fraction", type=float, default=None, help="of all experts (0.25)")
     offload.add_argument("--link", choices=("emulated", "native"), default=None)

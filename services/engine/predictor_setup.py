@@ -7,7 +7,6 @@ embedded predictor service on an in-process broker, in the link's thread.
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING
 
 from services.common.broker import Broker
@@ -16,30 +15,28 @@ from services.engine.predictor_link import PredictorLink, default_engine_id
 from services.predictor.messages import Shape
 
 if TYPE_CHECKING:
-    from services.engine.config import EngineConfig
-    from services.engine.models.spec import ModelSpec
+    from services.engine.models.geometry import ExpertGeometry
+    from services.engine.offload.settings import PredictorSettings
     from services.engine.offload.stats import OffloadStats
 
 log = logging.getLogger(__name__)
 
 
 def build_hint_prefetcher(
-    config: EngineConfig, spec: ModelSpec, predictor: str, near: int, stats: OffloadStats | None
+    predictor: PredictorSettings | None, spec: ExpertGeometry, near: int, stats: OffloadStats | None
 ) -> HintPrefetcher:
-    """The "hints" prefetcher of an offload policy, fed by a predictor link unless the predictor is none.
+    """The "hints" prefetcher of an offload policy, fed by a predictor link unless `predictor` is None.
 
     Hints serve the layers more than `near` hops ahead; contexts are published after the first MoE layer
     (its routing sharpens the far-layer guesses) and at the end of every step."""
     hints = HintPrefetcher(spec.moe_layers, stats, min_hops=near + 1)
-    name = config.predictor or predictor
-    if not name or name == "none":
+    if predictor is None:
         return hints
-    shape = Shape(
-        os.path.basename(os.path.normpath(config.model)), spec.num_layers, spec.num_experts, spec.top_k,
-        spec.hidden_size,
-    )
+    shape = Shape(predictor.model_name, spec.num_layers, spec.num_experts, spec.top_k, spec.hidden_size)
     first_moe = spec.moe_layers.index(True)
-    attach_predictor_link(hints, shape, name, config.redis_url, config.engine_id, partial_layers=(first_moe,))
+    attach_predictor_link(
+        hints, shape, predictor.name, predictor.redis_url, predictor.engine_id, partial_layers=(first_moe,)
+    )
     return hints
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from services.engine.models.geometry import expert_params
+
 
 @dataclass(frozen=True)
 class Precision:
@@ -78,7 +80,7 @@ class MoEModelSpec:
     base_precision: Precision = FP16  # embeddings, LM head, norms, routers
     kv_bytes_per_number: int = 2
 
-    # ---- shape (the names the engine's ModelSpec uses, so policy constructors accept either) ----
+    # ---- shape: ExpertGeometry (services/engine/models/geometry.py), as the engine's ModelSpec ----
     @property
     def moe_layers(self) -> tuple[bool, ...]:
         return tuple(i not in self.dense_layers for i in range(self.num_layers))
@@ -90,7 +92,7 @@ class MoEModelSpec:
     # ---- experts ----
     @property
     def expert_params(self) -> int:
-        return 3 * self.hidden_size * self.moe_intermediate_size
+        return expert_params(self.hidden_size, self.moe_intermediate_size)
 
     @property
     def expert_chunk_bytes(self) -> tuple[int, int]:

@@ -1,6 +1,6 @@
 """An offload policy's engine objects, built for the simulator by the engine's own constructors.
 
-make_eviction / make_prefetchers (services/engine/offload/setup.py), ExpertCache and
+make_eviction / make_prefetchers (services/engine/offload/setup.py) from OffloadSettings, ExpertCache and
 OffloadedExpertProvider are the engine's; only the store, the link and the transfer engine's clock are
 simulated. A policy that needs something the trace does not hold is reported as not simulable, with the
 reason, instead of being approximated.
@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.config import EngineConfig
 from services.engine.offload.expert_cache import ExpertCache
 from services.engine.offload.host_store import ExpertLayout
 from services.engine.offload.policies import OffloadPolicy
 from services.engine.offload.prefetch.hints import HintPrefetcher, HintStats
 from services.engine.offload.provider import OffloadedExpertProvider
+from services.engine.offload.settings import OffloadSettings
 from services.engine.offload.setup import make_eviction, make_prefetchers
 from services.engine.offload.stats import OffloadStats
 from services.predictor.messages import Shape
@@ -108,16 +108,22 @@ def build_offload(
     eviction: str | None = None,
 ) -> SimOffload:
     spec = workload.spec
-    # setup.py's constructors take an EngineConfig; the predictor link is ours, so the engine's is off.
-    config = EngineConfig(routing_trace=trace_path, prefetch_distance=prefetch_distance, predictor="none")
+    # The predictor link is ours (SimPredictorLink), so the engine's is off: no predictor settings.
+    settings = OffloadSettings(
+        policy=policy,
+        slots=slots,
+        expert_bytes=spec.expert_bytes,
+        eviction=eviction or policy.eviction,
+        prefetch_distance=prefetch_distance or policy.prefetch_distance,
+        routing_trace=trace_path,
+    )
     router_spec, weights = (
         _router_model(workload.trace.model) if "speculative" in policy.prefetchers else (spec, None)
     )
     stats_type = HintStats if "hints" in policy.prefetchers else OffloadStats
     stats = stats_type(spec.num_layers, slots_total=slots, expert_bytes=spec.expert_bytes)
-    # MoEModelSpec carries the fields these constructors read (num_layers, num_experts, top_k, moe_layers).
-    evict = make_eviction(eviction or policy.eviction, config, spec, slots)  # type: ignore[arg-type]
-    prefetchers = make_prefetchers(policy, config, router_spec, weights, stats)  # type: ignore[arg-type]
+    evict = make_eviction(settings, spec)  # MoEModelSpec is an ExpertGeometry
+    prefetchers = make_prefetchers(settings, router_spec, weights, stats)  # type: ignore[arg-type]
     transfers = SimTransferEngine(SimLink(link_bytes_per_second), stats, clock, spec.expert_chunk_bytes)
     expert_cache = ExpertCache(slots, PLACEHOLDER_LAYOUT, torch.float32, "cpu", evict)
     store = SimStore(spec.expert_bytes)  # duck-types HostExpertStore

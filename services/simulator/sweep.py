@@ -8,9 +8,8 @@ from dataclasses import asdict
 
 from tqdm import tqdm
 
-from services.engine.config import EngineConfig
 from services.engine.offload.policies import OffloadPolicy
-from services.engine.offload.setup import cache_slots
+from services.engine.offload.settings import GB, resolve_slots
 from services.simulator.hardware import CostModel, HardwareProfile
 from services.simulator.model_specs import MoEModelSpec
 from services.simulator.policy_driver import not_simulable
@@ -32,8 +31,7 @@ def default_budgets_gb(spec: MoEModelSpec, hw: HardwareProfile) -> list[float]:
 
 def slots_for(spec: MoEModelSpec, cache_gb: float) -> int:
     """The engine's cache sizing (at least top-k, at most every expert) for a budget in GB (1e9 bytes)."""
-    config = EngineConfig(expert_cache_experts=max(1, int(cache_gb * 1e9 // spec.expert_bytes)))
-    return cache_slots(config, spec, spec.expert_bytes)  # type: ignore[arg-type]
+    return resolve_slots(spec, spec.expert_bytes, cache_bytes=int(cache_gb * GB))
 
 
 def run_sweep(

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from services.engine.models.geometry import expert_params
+
 SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "olmoe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
@@ -68,6 +70,10 @@ class ModelSpec:
     @property
     def num_moe_layers(self) -> int:
         return sum(self.moe_layers)
+
+    @property
+    def expert_params(self) -> int:
+        return expert_params(self.hidden_size, self.moe_intermediate_size)
 
     @property
     def kv_cache_elems_per_token(self) -> int:
