@@ -31,7 +31,11 @@ REPROS = [
     ("/v1/chat/completions", {**CHAT, "top_k": 10**20, "temperature": 1}, "top_k"),
     ("/v1/chat/completions", {**CHAT, "stop_token_ids": [2**70], "min_tokens": 1}, "stop_token_ids.0"),
     ("/v1/chat/completions", {**CHAT, "stop_token_ids": [2147483647], "min_tokens": 1}, "stop_token_ids"),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "a\ud800"}]}, "messages[0].content"),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "user", "content": "a\ud800"}]},
+        "messages[0].content",
+    ),
     ("/v1/completions", {**COMPLETION, "prompt": "a\ud800"}, "prompt"),
     ("/v1/completions", {**COMPLETION, "stop": "a\ud800"}, "stop"),
     ("/v1/completions", {**COMPLETION, "prompt": [1, 2, 10**9]}, "prompt"),
@@ -87,7 +91,9 @@ async def test_repros_get_400_naming_the_field(gateways: SimpleNamespace) -> Non
     ],
     ids=["stop-id-out-of-vocab", "request-id-1MB", "prompt-id-out-of-vocab"],
 )
-async def test_grpc_invalid_argument_and_engine_keeps_serving(gateways: SimpleNamespace, fields: dict) -> None:
+async def test_grpc_invalid_argument_and_engine_keeps_serving(
+    gateways: SimpleNamespace, fields: dict
+) -> None:
     sampling = {k: v for k, v in fields.items() if k in ("stop_token_ids", "min_tokens")}
     request = engine_pb2.GenerateRequest(
         request_id=fields.get("request_id", "r"), sampling=engine_pb2.SamplingParams(max_tokens=4, **sampling)

@@ -9,7 +9,7 @@ import threading
 from collections.abc import AsyncIterator
 
 from services.engine.config import EngineConfig
-from services.engine.errors import EngineDeadError, InvalidRequestError
+from services.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from services.engine.llm_engine import LLMEngine
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
@@ -29,12 +29,14 @@ class AsyncLLMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._dead: asyncio.Event | None = None  # set when the loop fails: the process should exit
 
     # ---- lifecycle ----
     async def start(self) -> None:
         if self._thread is not None:
             return
         self._loop = asyncio.get_running_loop()
+        self._dead = asyncio.Event()
         self._thread = threading.Thread(target=self._run, name="hintserve-engine-loop", daemon=True)
         self._thread.start()
 
@@ -73,6 +75,9 @@ class AsyncLLMEngine:
                     raise item
                 if isinstance(item, BaseException):
                     raise EngineDeadError(f"engine loop failed: {item}") from item
+                if item.finish_reason == "error":
+                    finished = True  # the engine already dropped it: nothing to abort
+                    raise RequestFailedError(item.error)
                 yield item
                 if item.finished:
                     finished = True
@@ -145,6 +150,15 @@ class AsyncLLMEngine:
     def _fail_all(self, exc: BaseException) -> None:
         for _, stream in self._streams.values():
             stream.put_nowait(exc)
+        if self._dead is not None:
+            self._dead.set()
+
+    async def wait_dead(self) -> BaseException:
+        """Returns the loop's failure once it has stopped for good (the serving process then exits)."""
+        assert self._dead is not None, "engine not started"
+        await self._dead.wait()
+        assert self._error is not None
+        return self._error
 
     # ---- information ----
     def stats(self) -> dict[str, float]:

@@ -102,8 +102,7 @@ def run_engine(args: argparse.Namespace) -> int:
     check_metrics_port(args.metrics_port)
     config = engine_config(args)
     engine = _load_engine(config)
-    asyncio.run(_serve(engine, args.host, args.port, args.metrics_host, args.metrics_port))
-    return 0
+    return asyncio.run(_serve(engine, args.host, args.port, args.metrics_host, args.metrics_port))
 
 
 def start_engine_metrics(engine: Any, host: str, port: int) -> MetricsEndpoint | None:
@@ -117,7 +116,20 @@ def start_engine_metrics(engine: Any, host: str, port: int) -> MetricsEndpoint |
     return endpoint
 
 
-async def _serve(engine: Any, host: str, port: int, metrics_host: str, metrics_port: int) -> None:
+async def until_stopped_or_dead(stop: asyncio.Event, engine: Any) -> int:
+    """0 once `stop` is set; 1 if the engine loop dies first (so compose / Kubernetes restart the process)."""
+    stopped = asyncio.ensure_future(stop.wait())
+    died = asyncio.ensure_future(engine.wait_dead())
+    await asyncio.wait({stopped, died}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    died.cancel()
+    if died.done() and not died.cancelled():
+        print(f"[hintserve] engine loop failed, exiting: {died.result()}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+async def _serve(engine: Any, host: str, port: int, metrics_host: str, metrics_port: int) -> int:
     from services.engine.grpc_server import serve_engine, stop_server
 
     stop = asyncio.Event()
@@ -132,8 +144,9 @@ async def _serve(engine: Any, host: str, port: int, metrics_host: str, metrics_p
         print(
             f"[hintserve] engine serving {info.get('model')} on {host}:{bound}", file=sys.stderr, flush=True
         )
-        await stop.wait()
+        code = await until_stopped_or_dead(stop, engine)
         print("[hintserve] shutting down", file=sys.stderr, flush=True)
+        return code
     finally:
         if metrics is not None:
             metrics.close()

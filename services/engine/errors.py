@@ -15,3 +15,10 @@ class ContextLengthExceededError(InvalidRequestError):
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped; no further requests can be served."""
+
+
+class RequestFailedError(RuntimeError):
+    """This request failed inside the engine (its step raised); the engine itself goes on serving.
+
+    Not retried on another engine: what failed here was this request's own content.
+    """

@@ -10,11 +10,18 @@ from typing import Any
 import grpc
 
 from services.common.protos import engine_pb2, engine_pb2_grpc
-from services.engine.errors import EngineDeadError, InvalidRequestError
+from services.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from services.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
+# gRPC's reconnect backoff grows to 120 s by default: a restarted engine would wait that long to be
+# re-admitted. Capped at 1 s, it is back within about a second of listening again.
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 _MODEL_INFO_FIELDS = tuple(f.name for f in engine_pb2.ModelInfoResponse.DESCRIPTOR.fields)
 
 
@@ -92,6 +99,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 await context.write(_response(out))
         except InvalidRequestError as exc:  # includes ContextLengthExceededError
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RequestFailedError as exc:  # this request alone failed; the engine goes on serving
+            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
         except EngineDeadError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         finally:
@@ -172,7 +181,7 @@ class EngineClient:
 
     def __init__(self, address: str, channel: grpc.aio.Channel | None = None) -> None:
         self.address = address
-        self._channel = channel or grpc.aio.insecure_channel(address)
+        self._channel = channel or grpc.aio.insecure_channel(address, options=RECONNECT_OPTIONS)
         self.stub = engine_pb2_grpc.EngineStub(self._channel)
 
     async def wait_ready(self, timeout: float = 10.0) -> None:

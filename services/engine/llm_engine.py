@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
 from services.engine.errors import ContextLengthExceededError, InvalidRequestError
+from services.engine.isolation import StepIsolator
 from services.engine.model_runner import ModelRunner
 from services.engine.models.loader import load_model
 from services.engine.models.spec import load_hf_config, spec_from_config
@@ -69,6 +70,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self._num_kv_blocks(loaded.dtype.itemsize), config.block_size)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager)
         self.runner = ModelRunner(loaded.model, self.block_manager, self.eos_ids, config.seed, config.device)
+        self.isolator = StepIsolator(self.runner.run)
         self.model = loaded.model
         self._streams: dict[str, tuple[Sequence, RequestStream]] = {}
         self.counters: Counter[str] = Counter()
@@ -101,7 +103,8 @@ class LLMEngine:
         """Validates a request and builds its sequence; raises InvalidRequestError with a clear message."""
         if len(request_id) > MAX_REQUEST_ID_CHARS:
             raise InvalidRequestError(
-                f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}", "request_id"
+                f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}",
+                "request_id",
             )
         params.validate(self.spec.vocab_size)
         ids = self.tokenize(prompt)
@@ -161,20 +164,24 @@ class LLMEngine:
         if not seqs:
             return []
         start = time.perf_counter()
-        tokens = self.runner.run(seqs, is_prefill)
+        done, failed = self.isolator.step(seqs, is_prefill)
         elapsed = time.perf_counter() - start
         kind = "prefill" if is_prefill else "decode"
         self.counters[f"{kind}_steps_total"] += 1
         self.counters[f"{kind}_seconds_total"] += elapsed
         self.counters[f"{kind}_tokens_total"] += sum(len(s) for s in seqs) if is_prefill else len(seqs)
-        outputs = []
+        outputs = [self._fail(seq, message) for seq, message in failed]
         now = time.monotonic()
-        for seq, token in zip(seqs, tokens):
+        for seq, token in done:
             seq.append_token(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             _, stream = self._streams[seq.request_id]
-            out, reason = process_token(seq, stream, token, self.eos_ids, self.max_model_len)
+            try:  # detokenizing is this sequence's own business too: a failure ends it alone
+                out, reason = process_token(seq, stream, token, self.eos_ids, self.max_model_len)
+            except Exception as exc:
+                outputs.append(self._fail(seq, f"the engine failed on this request: {exc!r}"))
+                continue
             self.counters["generation_tokens_total"] += 1
             if reason:
                 self.scheduler.finish(seq, reason)
@@ -182,6 +189,23 @@ class LLMEngine:
                 self.counters[_finished(reason)] += 1
             outputs.append(out)
         return outputs
+
+    def _fail(self, seq: Sequence, message: str) -> RequestOutput:
+        """Ends one sequence whose step raised: its KV blocks are freed, its stream gets the error."""
+        self.scheduler.finish(seq, "error")
+        del self._streams[seq.request_id]
+        self.counters[_finished("error")] += 1
+        return RequestOutput(
+            seq.request_id,
+            "",
+            [],
+            seq.num_prompt_tokens,
+            seq.num_completion_tokens,
+            True,
+            "error",
+            seq.serial,
+            error=message,
+        )
 
     # ---- conveniences ----
     def generate(self, prompts: list[str | list[int]], params: SamplingParams) -> list[list[int]]:

@@ -13,5 +13,6 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (then `error` says why)
     seq_serial: int = 0  # which admission of this request id produced the output (ids may be reused)
+    error: str | None = None

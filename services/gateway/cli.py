@@ -216,15 +216,14 @@ def run_serve(args: argparse.Namespace) -> int:
 
     sock = bind_socket(config.host, config.port)  # a busy port fails before the model loads
     _setup_logging()
-    asyncio.run(_run_serve(config, engine_cfg, auth_line, sock, (args.metrics_host, args.metrics_port)))
-    return 0
+    return asyncio.run(_run_serve(config, engine_cfg, auth_line, sock, (args.metrics_host, args.metrics_port)))
 
 
 async def _run_serve(
     config: GatewayConfig, engine_cfg: Any, auth_line: str, sock: Any, metrics_at: tuple[str, int]
-) -> None:
+) -> int:
     from services.engine.async_engine import AsyncLLMEngine
-    from services.engine.cli import start_engine_metrics
+    from services.engine.cli import start_engine_metrics, until_stopped_or_dead
     from services.gateway.engine_client import InProcessEngineClient
     from services.gateway.server import Gateway, HTTPServer
 
@@ -240,8 +239,13 @@ async def _run_serve(
         await server.start()
         _say(auth_line)
         _say(f"serving {gateway.served_model_name} with the OpenAI API at {server.url}/v1 (Ctrl-C to stop)")
+        stop = asyncio.Event()
+        watch = asyncio.ensure_future(until_stopped_or_dead(stop, engine))
+        watch.add_done_callback(lambda _: server.request_exit())  # the engine died: stop serving
         await server.serve_forever()
+        stop.set()
         _say("shutting down")
+        return await watch
     finally:
         if metrics is not None:
             metrics.close()

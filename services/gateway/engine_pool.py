@@ -12,6 +12,8 @@ from services.gateway.engine_client import EngineBackend
 
 log = logging.getLogger(__name__)
 
+MAX_DOWN_PROBE_INTERVAL_S = 1.0
+
 
 def describe_error(exc: BaseException) -> str:
     # AioRpcError's str() is a multi-line debug dump; its details() is the one line worth logging.
@@ -88,7 +90,10 @@ class EnginePool:
     # ---- health ----
     async def _health_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.health_interval_s)
+            # While an engine is down, probe at least every second so a restarted one is re-admitted quickly.
+            down = any(not h.healthy for h in self.engines)
+            interval = self.health_interval_s
+            await asyncio.sleep(min(interval, MAX_DOWN_PROBE_INTERVAL_S) if down else interval)
             try:
                 await self.check_all()
             except Exception:  # never let the loop die: it is the only way back to healthy

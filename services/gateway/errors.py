@@ -6,7 +6,12 @@ from typing import Any
 
 import grpc
 
-from services.engine.errors import ContextLengthExceededError, EngineDeadError, InvalidRequestError
+from services.engine.errors import (
+    ContextLengthExceededError,
+    EngineDeadError,
+    InvalidRequestError,
+    RequestFailedError,
+)
 
 # The engine's ContextLengthExceededError message starts this way; over gRPC only the text survives
 # (both kinds of InvalidRequestError become INVALID_ARGUMENT), so the text is what tells them apart.
@@ -76,6 +81,11 @@ def context_length_exceeded(message: str, param: str | None) -> APIError:
     return APIError(400, message, param=param, code="context_length_exceeded")
 
 
+def request_failed(message: str) -> APIError:
+    # Never retried on another engine: the same content would fail (or poison) that one too.
+    return APIError(500, message, code="request_failed", retriable=False)
+
+
 def from_engine_error(exc: BaseException, prompt_param: str | None = None) -> APIError:
     """Maps what an engine backend raised to the HTTP error the client sees.
 
@@ -89,6 +99,8 @@ def from_engine_error(exc: BaseException, prompt_param: str | None = None) -> AP
         return context_length_exceeded(str(exc), prompt_param)
     if isinstance(exc, InvalidRequestError):
         return bad_request(str(exc), param=exc.param)
+    if isinstance(exc, RequestFailedError):
+        return request_failed(str(exc))
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"engine failed: {exc}", code="engine_unavailable", retriable=True)
     if isinstance(exc, grpc.aio.AioRpcError):
@@ -109,6 +121,8 @@ def _from_rpc_error(exc: grpc.aio.AioRpcError, prompt_param: str | None) -> APIE
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
         # Connection refused or reset, engine shutting down: the engine, not the request, is at fault.
         return APIError(503, f"engine unavailable: {details}", code="engine_unavailable", retriable=True)
+    if code == grpc.StatusCode.INTERNAL:
+        return request_failed(details)
     return APIError(500, f"engine error {code.name}: {details}", code="engine_error")
 
 
