@@ -49,7 +49,10 @@ def test_every_policy_is_token_identical_to_resident(reference, policy: str, cac
         assert engine.generate(_prompts(), GREEDY) == expected
         stats = engine.model.experts.stats
         assert stats.accesses > 0
-        assert all(s.pins == 0 for s in engine.model.experts.cache.slots), "slots left pinned"
+        pinned_for_good = getattr(engine.model.experts, "pinned", set())  # static placements
+        assert all(s.pins == 0 for s in engine.model.experts.cache.slots if s.key not in pinned_for_good), (
+            "slots left pinned"
+        )
         assert engine.block_manager.num_used == 0
     finally:
         engine.close()

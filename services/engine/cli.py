@@ -69,6 +69,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_default: str | None =
     offload.add_argument("--link", choices=("emulated", "native"), default=None)
     offload.add_argument("--link-gbps", type=float, default=None, help="emulated link bandwidth, GB/s")
     offload.add_argument("--link-ratio", type=float, default=None, help="emulated: transfer/compute per expert")
+    offload.add_argument("--host-ratio", type=float, default=None,
+                         help="emulated host: expert compute on the host / on the device (default 15.6)")
+    offload.add_argument("--host-threads", type=int, default=None, help="host expert executor threads (1)")
     offload.add_argument("--prefetch-distance", type=int, default=None, help="default: the policy's own")
     offload.add_argument("--eviction", choices=tuple(EVICTION_POLICIES), default=None)
     offload.add_argument("--routing-trace", default=None, help="recorded routing (oracle, belady)")

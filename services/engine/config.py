@@ -29,6 +29,8 @@ class EngineConfig:
     link: str = "emulated"  # emulated (CPU or GPU) | native (CUDA copy engine)
     link_gbps: float | None = None  # emulated link bandwidth in GB/s (gigabytes per second)
     link_ratio: float | None = None  # emulated: one expert's transfer = R x one expert's compute (default 30)
+    host_ratio: float | None = None  # emulated host: one expert on the host = R x on the device (default 15.6)
+    host_threads: int | None = None  # host expert executor worker threads (default 1)
     prefetch_distance: int | None = None  # MoE layers ahead; None: the policy's own (2 unless it says)
     eviction: str | None = None  # override the policy's eviction policy
     routing_trace: str | None = None  # recorded routing for the oracle / belady policies
@@ -58,12 +60,15 @@ class EngineConfig:
             raise ValueError(f"unknown link {self.link!r}: use emulated or native")
         if self.link == "native" and not self.device.startswith("cuda"):
             raise ValueError("--link native needs a CUDA device; use --link emulated on CPU")
-        for name in ("expert_cache_gb", "expert_cache_experts", "expert_cache_fraction", "link_gbps", "link_ratio"):
+        for name in ("expert_cache_gb", "expert_cache_experts", "expert_cache_fraction", "link_gbps", "link_ratio",
+                     "host_ratio"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
         if self.expert_cache_fraction is not None and self.expert_cache_fraction > 1:
             raise ValueError(f"expert_cache_fraction must be in (0, 1], got {self.expert_cache_fraction}")
+        if self.host_threads is not None and self.host_threads < 1:
+            raise ValueError(f"host_threads must be at least 1, got {self.host_threads}")
         if self.prefetch_distance is not None and self.prefetch_distance < 1:
             raise ValueError(f"prefetch_distance must be at least 1, got {self.prefetch_distance}")
         check_broker_url(self.redis_url)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,19 +21,35 @@ class ExpertWeights:
         return self.gate_up.numel() * self.gate_up.element_size() + self.down.numel() * self.down.element_size()
 
 
+@dataclass
+class LayerPlan:
+    """Where one layer's experts are computed: `device` in this order (weights from `get`), `host` by the
+    provider itself (`host_forward`, started before the device loop so both sides overlap)."""
+
+    device: list[int]
+    host: list[int] = field(default_factory=list)
+
+
 class ExpertProvider(ABC):
-    """Gives the MoE layer one expert's weights at a time.
+    """Gives the MoE layer one expert's weights at a time, or computes an expert where its weights live.
 
     Per MoE layer and step: `begin_layer` with the step's expert set right after the router (the provider may
-    queue fetches and choose the compute order), `get` for each expert in that order, then `end_layer`.
+    queue fetches, choose the compute order and keep some experts on the host), `host_forward` for each host
+    expert, `get` for each device expert in order, then `end_layer`.
     """
 
     @abstractmethod
-    def begin_layer(self, layer: int, experts: list[int], ctx: StepContext) -> list[int]:
-        """Returns the order in which the layer should compute `experts`."""
+    def begin_layer(
+        self, layer: int, experts: list[int], ctx: StepContext, tokens: list[int] | None = None
+    ) -> LayerPlan:
+        """Places `experts` (`tokens[i]` tokens routed to `experts[i]`; None: one each)."""
 
     @abstractmethod
     def get(self, layer: int, expert: int) -> ExpertWeights: ...
+
+    def host_forward(self, layer: int, expert: int, x: torch.Tensor) -> Future[torch.Tensor]:
+        """Computes a host-placed expert on its tokens `x`; the result lands on x's device."""
+        raise NotImplementedError(f"{type(self).__name__} computes every expert on the device")
 
     def end_layer(self, layer: int, ctx: StepContext) -> None:  # noqa: B027 - optional hook
         """Called once the layer's experts are computed (unpin slots)."""
@@ -59,8 +76,10 @@ class ResidentExpertProvider(ExpertProvider):
     def __init__(self, experts: list[list[ExpertWeights] | None]) -> None:
         self._experts = experts  # indexed [layer][expert]; None for dense layers
 
-    def begin_layer(self, layer: int, experts: list[int], ctx: StepContext) -> list[int]:
-        return experts
+    def begin_layer(
+        self, layer: int, experts: list[int], ctx: StepContext, tokens: list[int] | None = None
+    ) -> LayerPlan:
+        return LayerPlan(experts)
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         return self._experts[layer][expert]  # type: ignore[index]

@@ -9,9 +9,10 @@ bandwidths; the link figure is what pinned host-to-device copies achieve, not th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from services.simulator.host import HostProfile, get_host
 from services.simulator.model_specs import MoEModelSpec
 
 MEMORY_EFFICIENCY = 0.8  # share of peak DRAM bandwidth a GEMV-bound kernel sustains
@@ -82,6 +83,10 @@ class CostModel(Protocol):
         """Final norm and LM head on the last position of each request."""
         ...
 
+    def host_expert_seconds(self, tokens: int) -> float:
+        """One routed expert applied to `tokens` tokens on the host, where its weights live."""
+        ...
+
 
 def _kernel_seconds(bytes_read: float, flops: float, hw: HardwareProfile, kernels: int) -> float:
     memory = bytes_read / (hw.memory_gbps * 1e9 * MEMORY_EFFICIENCY)
@@ -95,6 +100,7 @@ class RooflineCost:
 
     spec: MoEModelSpec
     hw: HardwareProfile
+    host: HostProfile = field(default_factory=lambda: get_host("ddr4-dual"))
 
     @property
     def link_bytes_per_second(self) -> float:
@@ -112,6 +118,9 @@ class RooflineCost:
             self.spec.expert_bytes, 2 * tokens * self.spec.expert_params, self.hw, KERNELS_PER_EXPERT
         )
 
+    def host_expert_seconds(self, tokens: int) -> float:
+        return self.host.expert_seconds(self.spec.expert_bytes, self.spec.expert_params, tokens)
+
     def head_seconds(self, step: StepShape) -> float:
         return _kernel_seconds(
             self.spec.head_bytes, 2 * step.requests * self.spec.embedding_params, self.hw, 2
@@ -128,6 +137,10 @@ class MeasuredCost:
     expert_s: float  # one expert on one token
     expert_token_s: float = 0.0  # each further token of the same expert
     head_s: float = 0.0
+    host_ratio: float = 15.6  # the engine's emulated host (DEFAULT_HOST_RATIO), over expert_seconds
+
+    def host_expert_seconds(self, tokens: int) -> float:
+        return self.host_ratio * self.expert_seconds(tokens)
 
     def layer_seconds(self, layer: int, step: StepShape) -> float:
         return self.layer_s

@@ -181,7 +181,7 @@ def _run_step(
             continue
         if offload.hint_link is not None:  # type: ignore[union-attr]
             offload.hint_link.deliver()  # type: ignore[union-attr]
-        for expert in provider.begin_layer(layer, list(tokens_of), ctx):
+        for expert in provider.begin_layer(layer, list(tokens_of), ctx, list(tokens_of.values())).device:
             log.peak_slots = max(log.peak_slots, provider.cache.num_occupied)
             provider.get(layer, expert)  # stalls the clock until the expert has landed
             clock.now += cost.expert_seconds(tokens_of[expert])

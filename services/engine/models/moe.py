@@ -40,11 +40,19 @@ def moe_forward(
 
     active = [e for e, c in enumerate(counts) if c]
     outputs = torch.empty(len(order), x.shape[1], dtype=x.dtype, device=x.device)
-    for expert in provider.begin_layer(layer, active, ctx):
+    plan = provider.begin_layer(layer, active, ctx, [counts[e] for e in active])
+    # Host experts first, so their worker threads run while the device computes the rest.
+    on_host = [
+        (e, provider.host_forward(layer, e, x[token_of_assignment[offsets[e] : offsets[e + 1]]])) for e in plan.host
+    ]
+    for expert in plan.device:
         start, end = offsets[expert], offsets[expert + 1]
         w = provider.get(layer, expert)
         y = expert_forward(x[token_of_assignment[start:end]], w)
         outputs[start:end] = y * weight_of_assignment[start:end]
+    for expert, future in on_host:
+        start, end = offsets[expert], offsets[expert + 1]
+        outputs[start:end] = future.result() * weight_of_assignment[start:end]
     # Un-sort and add each token's k expert outputs (index_add_ is far slower on CPU for small batches).
     out = outputs.index_select(0, torch.argsort(order)).view(x.shape[0], top_k, -1).sum(dim=1)
     provider.end_layer(layer, ctx)

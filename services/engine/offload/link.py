@@ -88,11 +88,14 @@ class EmulatedLink(Link):
         event.set()  # type: ignore[attr-defined]
 
 
-def expert_compute_seconds(hidden: int, intermediate: int, dtype: torch.dtype, repeats: int = 200) -> float:
-    """Median time of one expert's SwiGLU on one token on this machine (the unit of --link-ratio)."""
+def expert_compute_seconds(
+    hidden: int, intermediate: int, dtype: torch.dtype, repeats: int = 200, tokens: int = 1
+) -> float:
+    """Median time of one expert's SwiGLU on `tokens` tokens on this machine (one token: the unit of
+    --link-ratio and --host-ratio)."""
     from services.engine.models.moe import swiglu
 
-    x = torch.randn(1, hidden, dtype=dtype)
+    x = torch.randn(tokens, hidden, dtype=dtype)
     gate_up = torch.randn(2 * intermediate, hidden, dtype=dtype)
     down = torch.randn(hidden, intermediate, dtype=dtype)
     for _ in range(20):

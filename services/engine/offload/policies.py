@@ -21,6 +21,8 @@ class OffloadPolicy:
     predictor: str | None = None  # the predictor service's model behind the "hints" prefetcher
     prefetch_distance: int = 2  # MoE layers ahead the local prefetchers look (--prefetch-distance overrides)
     min_confidence: float = 0.0  # skip-gate: fetch only experts some token's guess gives this probability
+    placement: str = "device"  # misses: device (fetch all) | host (compute all there) | cost (Fiddler's rule)
+    pinned: str = ""  # experts on the device for good: nothing | late-layers | hot (see offload/hybrid_setup.py)
 
 
 POLICIES: dict[str, OffloadPolicy] = {
@@ -49,9 +51,21 @@ POLICIES: dict[str, OffloadPolicy] = {
                       prefetchers=("speculative",)),
         OffloadPolicy("finemoe", "1/(p*freq) eviction + prefetch hints from the predictor's expert maps (FineMoE)",
                       eviction="finemoe", prefetchers=("hints",), predictor="expert-map"),
-        OffloadPolicy("hintserve", "ours: local skip-gate for near layers, predictor hints for far layers and "
-                      "the next iteration, next-use eviction that admits only prefetches worth their victim",
+        OffloadPolicy("hintserve-transfer", "hintserve before hybrid execution: every miss fetched",
                       eviction="next-use", prefetchers=("speculative", "hints"), predictor="expert-map"),
+        OffloadPolicy("cpu-experts", "every routed expert computed on the host, none moved (llama.cpp "
+                      "-ot exps=CPU)", placement="host", pinned="nothing"),
+        OffloadPolicy("n-cpu-moe", "the first MoE layers' experts on the host, the last ones resident as the "
+                      "budget allows (llama.cpp --n-cpu-moe)", placement="host", pinned="late-layers"),
+        OffloadPolicy("ktransformers", "static hot set by measured frequency on the device, the rest computed "
+                      "on the host (KTransformers)", placement="host", pinned="hot", needs_trace=True),
+        OffloadPolicy("fiddler", "hot set by measured frequency + LRU slots; each miss computed on the host "
+                      "when that beats fetching it (Fiddler)", placement="cost", pinned="hot", needs_trace=True),
+        OffloadPolicy("hintserve", "ours: local skip-gate for near layers, predictor hints for far layers and "
+                      "the next iteration, next-use eviction that admits only prefetches worth their victim; "
+                      "misses computed on the host when that beats fetching (predictions decide what moves)",
+                      eviction="next-use", prefetchers=("speculative", "hints"), predictor="expert-map",
+                      placement="cost"),
     )
 }
 

@@ -6,7 +6,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from services.engine.expert_provider import ExpertProvider, ExpertWeights
+from services.engine.expert_provider import ExpertProvider, ExpertWeights, LayerPlan
 from services.engine.offload.eviction.base import EvictionPolicy
 from services.engine.offload.expert_cache import ExpertCache, Slot
 from services.engine.offload.host_store import HostExpertStore, Key
@@ -60,7 +60,9 @@ class OffloadedExpertProvider(ExpertProvider):
         self._wants_router_probs = type(cache.eviction).on_layer_routed is not EvictionPolicy.on_layer_routed
 
     # ---- the ExpertProvider protocol ----
-    def begin_layer(self, layer: int, experts: list[int], ctx: StepContext) -> list[int]:
+    def begin_layer(
+        self, layer: int, experts: list[int], ctx: StepContext, tokens: list[int] | None = None
+    ) -> LayerPlan:
         self._layer, self._ctx = layer, ctx
         self._expire_prefetches(ctx, layer)
         eviction = self.cache.eviction
@@ -88,6 +90,7 @@ class OffloadedExpertProvider(ExpertProvider):
                 inflight.append(expert)
                 self.stats.inflight_hits[layer] += 1
                 self.transfers.promote(slot.transfer)  # type: ignore[arg-type]
+        misses, host = self._place_misses(layer, experts, tokens, misses, ctx)
         self._pending = deque(misses)
         self._demanded.clear()
         if self.rules.early_demand:
@@ -96,7 +99,7 @@ class OffloadedExpertProvider(ExpertProvider):
             for prefetcher in self.prefetchers:
                 self._issue_prefetches(prefetcher.plan(layer, ctx), ctx)
         self._track_peak()
-        return hits + inflight + misses
+        return LayerPlan(hits + inflight + misses, host)
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         self._finish_current()
@@ -144,6 +147,12 @@ class OffloadedExpertProvider(ExpertProvider):
             if close is not None:
                 close()
         self.transfers.shutdown()
+
+    def _place_misses(
+        self, layer: int, experts: list[int], tokens: list[int] | None, misses: list[int], ctx: StepContext
+    ) -> tuple[list[int], list[int]]:
+        """(misses to fetch, misses to compute on the host): transfer-only policies fetch every one."""
+        return misses, []
 
     # ---- demand ----
     def _pin(self, slot: Slot) -> None:

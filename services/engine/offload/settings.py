@@ -15,6 +15,7 @@ import torch
 
 from services.engine.config import EngineConfig
 from services.engine.models.geometry import ExpertGeometry, expert_bytes, total_experts
+from services.engine.offload.cost_model import DEFAULT_HOST_RATIO
 from services.engine.offload.policies import OffloadPolicy, get_policy
 
 GB = 1e9  # bytes; one unit for cache budgets and link bandwidths everywhere
@@ -45,6 +46,8 @@ class OffloadSettings:
     link: str = "emulated"  # emulated | native (CUDA copy engine)
     link_bytes_per_second: float | None = None  # emulated link; None: from link_ratio
     link_ratio: float = DEFAULT_LINK_RATIO  # emulated: one expert's transfer = R x one expert's compute
+    host_ratio: float = DEFAULT_HOST_RATIO  # emulated host: one expert on the host = R x on the device
+    host_threads: int = 1  # host expert executor worker threads
 
     @property
     def cache_bytes(self) -> int:
@@ -57,6 +60,8 @@ class OffloadSettings:
         size = expert_bytes(spec, dtype)
         if policy.name == "resident":
             slots = total_experts(spec)
+        elif policy.pinned == "nothing":
+            slots = 0  # every expert computed on the host
         else:
             slots = resolve_slots(
                 spec, size, experts=config.expert_cache_experts,
@@ -75,6 +80,8 @@ class OffloadSettings:
             link=config.link,
             link_bytes_per_second=None if config.link_gbps is None else config.link_gbps * GB,
             link_ratio=config.link_ratio or DEFAULT_LINK_RATIO,
+            host_ratio=config.host_ratio or DEFAULT_HOST_RATIO,
+            host_threads=config.host_threads or 1,
         )
 
 

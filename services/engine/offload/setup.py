@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 
 import torch
 
@@ -12,9 +13,13 @@ from services.engine.expert_provider import ExpertProvider
 from services.engine.models.geometry import ExpertGeometry
 from services.engine.models.spec import ModelSpec
 from services.engine.models.weights import NonExpertWeights, WeightReader
+from services.engine.offload.cost_model import measure_costs
 from services.engine.offload.eviction import EVICTION_POLICIES, EvictionPolicy
 from services.engine.offload.expert_cache import ExpertCache
+from services.engine.offload.host_executor import HostExecutor
 from services.engine.offload.host_store import HostExpertStore
+from services.engine.offload.hybrid_provider import HybridExpertProvider
+from services.engine.offload.hybrid_setup import hybrid_slots, is_hybrid, make_placement, pinned_experts
 from services.engine.offload.link import EmulatedLink, Link, expert_compute_seconds
 from services.engine.offload.prefetch import (
     AffinityPrefetcher,
@@ -109,6 +114,10 @@ def build_expert_provider(
         return load_resident_experts(reader, spec)
     cuda = settings.device.startswith("cuda")
     store = HostExpertStore(reader, spec, pin=cuda)
+    pinned = pinned_experts(settings.policy, spec, settings.slots,
+                            _trace(settings, settings.policy.name) if settings.policy.needs_trace else None)
+    if is_hybrid(settings.policy):
+        settings = replace(settings, slots=hybrid_slots(settings.policy, settings.slots, pinned))
     slots = settings.slots
     eviction = make_eviction(settings, spec)
     stats_type = HintStats if "hints" in settings.policy.prefetchers else OffloadStats
@@ -120,13 +129,16 @@ def build_expert_provider(
         from services.engine.offload.cuda_link import CudaLink
 
         fence = CudaLink.compute_fence
-    return OffloadedExpertProvider(
-        store,
-        cache,
-        TransferEngine(link, stats),
-        make_prefetchers(settings, spec, weights, stats),
-        settings.policy.rules,
-        stats,
-        stream_slots=spec.top_k,
-        fence=fence,
+    parts = (store, cache, TransferEngine(link, stats), make_prefetchers(settings, spec, weights, stats),
+             settings.policy.rules, stats)
+    if not is_hybrid(settings.policy):
+        return OffloadedExpertProvider(*parts, stream_slots=spec.top_k, fence=fence)
+    costs = measure_costs(spec.hidden_size, spec.moe_intermediate_size, reader.dtype, settings.device, link,
+                          store.expert_bytes, settings.host_ratio)
+    emulated = (lambda n: costs.host(n)) if not cuda else None
+    log.info("placement costs (ms): device %.3f, host %.3f, link %.3f per expert and token",
+             costs.device(1) * 1e3, costs.host(1) * 1e3, costs.link * 1e3)
+    return HybridExpertProvider(
+        *parts, stream_slots=spec.top_k, fence=fence, pinned=pinned, placement=make_placement(settings.policy, costs),
+        executor=HostExecutor(settings.host_threads, stats, emulated),
     )

@@ -27,6 +27,9 @@ class OffloadStats:
     peak_device_bytes: int = 0
     hints_received: int = 0
     hints_late: int = 0
+    host_experts: int = 0  # expert computations the host executor ran (hybrid policies)
+    host_tokens: int = 0  # tokens those computations covered
+    host_busy_seconds: float = 0.0  # host executor busy time (emulated: the emulated host's)
 
     def __post_init__(self) -> None:
         for name in ("hits", "inflight_hits", "misses"):
@@ -74,5 +77,8 @@ class OffloadStats:
             offload_peak_device_bytes=float(self.peak_device_bytes),
             offload_hints_received_total=float(self.hints_received),
             offload_hints_late_total=float(self.hints_late),
+            offload_host_compute_experts_total=float(self.host_experts),
+            offload_host_compute_tokens_total=float(self.host_tokens),
+            offload_host_compute_busy_seconds_total=self.host_busy_seconds,
         )
         return out

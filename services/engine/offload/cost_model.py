@@ -1,0 +1,91 @@
+"""Placement prices measured at start-up: device and host time per expert as a function of its tokens, and
+the link's time per expert. Fiddler's rule reads them: a miss goes to the host when that finishes first.
+
+Emulated (CPU-only) engines measure the device and price the host at `host_ratio` times the device, the
+unit `EmulatedLink` uses too; on CUDA both sides are measured for real.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from services.engine.offload.link import EmulatedLink, Link, expert_compute_seconds
+
+# The default --host-ratio: one Mixtral-8x7B fp16 expert on one token on a dual-channel DDR4-3200 host over
+# the same on an RTX A5000, both memory-bound (services/simulator/host.py prices them; a test checks that
+# this constant is what that arithmetic gives): 352 MB at 75% of 51.2 GB/s = 9.17 ms on the host,
+# 352 MB at 80% of 768 GB/s + 3 kernel launches = 0.59 ms on the device.
+DEFAULT_HOST_RATIO = 15.6
+PROBE_TOKENS = 16  # the second point of the linear fit in tokens
+
+
+@dataclass(frozen=True)
+class PlacementCosts:
+    """Seconds for one expert: on the device or the host with n tokens (a + b (n - 1)), over the link."""
+
+    device_first: float
+    device_per_token: float
+    host_first: float
+    host_per_token: float
+    link: float
+
+    def device(self, tokens: int) -> float:
+        return self.device_first + self.device_per_token * (tokens - 1)
+
+    def host(self, tokens: int) -> float:
+        return self.host_first + self.host_per_token * (tokens - 1)
+
+    @classmethod
+    def fit(cls, device: tuple[float, float], host: tuple[float, float], link: float) -> PlacementCosts:
+        """From times at 1 and PROBE_TOKENS tokens; costs never fall with more tokens."""
+        slope = lambda t: max(0.0, (t[1] - t[0]) / (PROBE_TOKENS - 1))  # noqa: E731
+        return cls(device[0], slope(device), host[0], slope(host), link)
+
+
+def measure_costs(
+    hidden: int, intermediate: int, dtype: torch.dtype, device: str, link: Link, expert_bytes: int,
+    host_ratio: float | None,
+) -> PlacementCosts:
+    """`host_ratio` None on CUDA: the host is measured; on CPU the emulated host is that ratio (default
+    DEFAULT_HOST_RATIO) times the device."""
+    if device == "cpu":
+        dev = tuple(expert_compute_seconds(hidden, intermediate, dtype, 50, n) for n in (1, PROBE_TOKENS))
+        ratio = host_ratio or DEFAULT_HOST_RATIO
+        host = (ratio * dev[0], ratio * dev[1])
+    else:
+        dev = tuple(_cuda_expert_seconds(hidden, intermediate, dtype, device, n) for n in (1, PROBE_TOKENS))
+        host = tuple(expert_compute_seconds(hidden, intermediate, dtype, 20, n) for n in (1, PROBE_TOKENS))
+    return PlacementCosts.fit(dev, host, _link_seconds(link, expert_bytes, dtype, device))  # type: ignore[arg-type]
+
+
+def _link_seconds(link: Link, expert_bytes: int, dtype: torch.dtype, device: str) -> float:
+    if isinstance(link, EmulatedLink):
+        return expert_bytes / link.bytes_per_second
+    src = torch.empty(expert_bytes // dtype.itemsize, dtype=dtype, pin_memory=True)
+    dst = torch.empty_like(src, device=device)
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(3):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / 3
+
+
+def _cuda_expert_seconds(hidden: int, intermediate: int, dtype: torch.dtype, device: str, tokens: int) -> float:
+    from services.engine.models.moe import swiglu
+
+    x = torch.randn(tokens, hidden, dtype=dtype, device=device)
+    gate_up = torch.randn(2 * intermediate, hidden, dtype=dtype, device=device)
+    down = torch.randn(hidden, intermediate, dtype=dtype, device=device)
+    for _ in range(5):
+        swiglu(x, gate_up, down)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        swiglu(x, gate_up, down)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / 20

@@ -1,0 +1,71 @@
+"""The host expert executor: experts computed where they live, in host memory, on worker threads.
+
+Each job calls `expert_forward` (the one entry point for any weight format) on the host copy of the weights
+and the expert's token slice, so a host expert costs activations over the link, never weights. Worker
+threads run torch with one intra-op thread each (set per thread, so the device side keeps its own pool);
+torch releases the GIL inside its ops, so host jobs overlap the device's compute of cached experts.
+
+On a CPU-only machine the "device" and the host are the same cores, so the executor emulates the host the
+way `EmulatedLink` emulates the link: the math is real, then the job is held until the emulated host would
+have finished it, `host_ratio` times the measured device time for the same work, on one virtual clock
+(the host's memory bandwidth is one shared resource: a busy host queues work, whatever the thread count).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from services.engine.expert_provider import ExpertWeights
+from services.engine.models.moe import expert_forward
+from services.engine.offload.stats import OffloadStats
+
+
+class HostExecutor:
+    def __init__(
+        self, threads: int, stats: OffloadStats, emulated_seconds: Callable[[int], float] | None = None
+    ) -> None:
+        """`emulated_seconds(tokens)`: how long the emulated host takes for one expert; None: real host."""
+        if threads < 1:
+            raise ValueError(f"host_threads must be at least 1, got {threads}")
+        self.stats = stats
+        self._emulated_seconds = emulated_seconds
+        self._pool = ThreadPoolExecutor(
+            threads, thread_name_prefix="hintserve-host", initializer=torch.set_num_threads, initargs=(1,)
+        )
+        self._lock = threading.Lock()
+        self._busy_until = 0.0  # emulation: when the virtual host finishes its queued work
+
+    def submit(self, weights: ExpertWeights, x: torch.Tensor) -> Future[torch.Tensor]:
+        self.stats.host_experts += 1
+        self.stats.host_tokens += x.shape[0]
+        finish = None
+        if self._emulated_seconds is not None:
+            seconds = self._emulated_seconds(x.shape[0])
+            with self._lock:
+                start = max(time.perf_counter(), self._busy_until)
+                self._busy_until = finish = start + seconds
+            self.stats.host_busy_seconds += seconds
+        return self._pool.submit(self._run, weights, x, finish)
+
+    def backlog_seconds(self) -> float:
+        """Emulated work queued ahead of a job submitted now (0 on a real host: not tracked)."""
+        return max(0.0, self._busy_until - time.perf_counter())
+
+    def _run(self, weights: ExpertWeights, x: torch.Tensor, finish: float | None) -> torch.Tensor:
+        start = time.perf_counter()
+        y = expert_forward(x.to("cpu"), weights)
+        if finish is None:
+            self.stats.host_busy_seconds += time.perf_counter() - start
+        else:
+            delay = finish - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+        return y.to(x.device, non_blocking=x.device.type == "cuda")
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,123 @@
+"""Hybrid expert execution: host-computed misses, placements, static pinned sets, knobs, counters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services import cli
+from services.engine.config import EngineConfig
+from services.engine.llm_engine import LLMEngine
+from services.engine.offload.cost_model import DEFAULT_HOST_RATIO, PlacementCosts
+from services.engine.offload.placement import CostPlacement
+from services.engine.offload.routing_trace import RoutingTrace
+from services.engine.sampling_params import SamplingParams
+from services.engine.step_context import Phase, StepContext
+from tests.tiny_models import VOCAB
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+HYBRID = ("cpu-experts", "n-cpu-moe", "ktransformers", "fiddler", "hintserve")
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (6, 17)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_mixtral_dir, tmp_path_factory):
+    engine = LLMEngine(EngineConfig(model=tiny_mixtral_dir))
+    trace = RoutingTrace(engine.spec.num_layers)
+    engine.runner.step_observers.append(trace)
+    expected = engine.generate(_prompts(), GREEDY)
+    engine.close()
+    path = str(tmp_path_factory.mktemp("trace") / "trace.json")
+    trace.save(path)
+    return tiny_mixtral_dir, expected, path
+
+
+def _run(reference, policy: str, **kw):
+    model_dir, expected, trace = reference
+    engine = LLMEngine(EngineConfig(model=model_dir, offload_policy=policy, routing_trace=trace, **kw))
+    try:
+        tokens = engine.generate(_prompts(), GREEDY)
+        return tokens, expected, engine.model.experts, engine.stats()
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("policy", HYBRID)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_host_computed_experts_keep_tokens(reference, policy: str, threads: int) -> None:
+    # A slow link: Fiddler's rule sends misses to the host.
+    tokens, expected, provider, stats = _run(reference, policy, expert_cache_fraction=0.25, link_ratio=100.0,
+                                             host_ratio=4.0, host_threads=threads)
+    assert tokens == expected
+    assert provider.stats.host_experts > 0
+    assert stats["offload_host_compute_experts_total"] == provider.stats.host_experts
+    assert stats["offload_host_compute_tokens_total"] >= provider.stats.host_experts
+    assert stats["offload_host_compute_busy_seconds_total"] > 0
+
+
+def test_cpu_experts_moves_nothing_and_holds_no_expert_on_the_device(reference) -> None:
+    tokens, expected, provider, stats = _run(reference, "cpu-experts", host_ratio=2.0)
+    assert tokens == expected
+    assert provider.device_bytes == 0
+    assert provider.stats.bytes_demand == provider.stats.bytes_prefetch == 0
+    assert provider.stats.host_experts == provider.stats.accesses
+
+
+def test_static_placements_pin_their_sets(reference) -> None:
+    _, _, trace = reference
+    _, _, provider, _ = _run(reference, "ktransformers", expert_cache_fraction=0.5)
+    hot = RoutingTrace.load(trace).hot_set(provider.cache.num_slots)
+    assert provider.pinned == hot and provider.stats.bytes_demand == 0
+    _, _, provider, _ = _run(reference, "n-cpu-moe", expert_cache_fraction=0.5)
+    layers = sorted({layer for layer, _ in provider.pinned})
+    num_layers = provider.stats.num_layers  # every layer of the tiny Mixtral is MoE
+    assert layers == list(range(num_layers - len(layers), num_layers))  # whole layers, from the last back
+    assert len(provider.pinned) == len(layers) * len(provider.pinned) // len(layers)
+    assert provider.stats.bytes_demand == 0
+
+
+def test_fiddler_rule_fetches_when_the_host_is_slow(reference) -> None:
+    tokens, expected, provider, _ = _run(reference, "fiddler", expert_cache_fraction=0.25, link_ratio=2.0,
+                                         host_ratio=1000.0)
+    assert tokens == expected
+    assert provider.stats.host_experts == 0 and provider.stats.bytes_demand > 0
+
+
+def test_cost_placement_balances_host_and_link() -> None:
+    costs = PlacementCosts(device_first=1.0, device_per_token=0.0, host_first=10.0, host_per_token=10.0, link=12.0)
+    decode = StepContext(Phase.DECODE, ["r"], 1)
+    placement = CostPlacement(costs, stream_prefill=False)
+    # One token each: host 10 < link 12 + device 1, then the host is busy: 20 > 13, so the second is fetched.
+    assert placement.split([3, 5], {3: 1, 5: 1}, decode, 0.0) == ([5], [3])
+    # Many tokens: the host takes 10 per token, fetching wins.
+    assert placement.split([3], {3: 8}, decode, 0.0) == ([3], [])
+    # A backlog on the host moves the miss to the link.
+    assert placement.split([3], {3: 1}, decode, 5.0) == ([3], [])
+    prefill = StepContext(Phase.PREFILL, ["r"], 8)
+    assert CostPlacement(costs, stream_prefill=True).split([3], {3: 1}, prefill, 0.0) == ([3], [])
+
+
+def test_default_host_ratio_is_the_a5000_ddr4_arithmetic() -> None:
+    from services.simulator.hardware import RooflineCost, get_hardware
+    from services.simulator.host import get_host
+    from services.simulator.model_specs import MODEL_SPECS
+
+    cost = RooflineCost(MODEL_SPECS["mixtral-8x7b"], get_hardware("a5000-pcie4"), get_host("ddr4-dual"))
+    assert cost.host_expert_seconds(1) / cost.expert_seconds(1) == pytest.approx(DEFAULT_HOST_RATIO, abs=0.05)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [(["--host-ratio", "0"], "host_ratio must be positive"), (["--host-ratio", "-2"], "host_ratio must be positive"),
+     (["--host-threads", "0"], "host_threads must be at least 1")],
+)
+def test_bad_host_knobs_exit_2(tiny_mixtral_dir, capsys, args, message) -> None:
+    argv = ["generate", "--prompt", "hi", "--model", tiny_mixtral_dir, "--offload-policy", "fiddler", *args]
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert out == "" and len(lines) == 1 and message in lines[0], err
