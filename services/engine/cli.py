@@ -75,6 +75,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_default: str | None =
     offload.add_argument("--prefetch-distance", type=int, default=None, help="default: the policy's own")
     offload.add_argument("--eviction", choices=tuple(EVICTION_POLICIES), default=None)
     offload.add_argument("--routing-trace", default=None, help="recorded routing (oracle, belady)")
+    offload.add_argument("--expert-dtype", choices=("auto", "bf16", "int8", "int4"), default=None,
+                         help="routed experts' storage on the host, the link and the device (auto: run dtype)")
+    offload.add_argument("--expert-group-size", type=int, choices=(32, 64, 128), default=None,
+                         help="int4: inputs per scale and zero (default 64)")
     link = parser.add_argument_group("predictor link (policies with prediction hints)")
     link.add_argument("--redis-url", default=None, help="broker for the predictor service (default: embedded)")
     link.add_argument("--engine-id", default=None, help="this engine's hint channel name (default: generated)")

@@ -34,6 +34,9 @@ class EngineConfig:
     prefetch_distance: int | None = None  # MoE layers ahead; None: the policy's own (2 unless it says)
     eviction: str | None = None  # override the policy's eviction policy
     routing_trace: str | None = None  # recorded routing for the oracle / belady policies
+    # Routed experts' storage everywhere they live (services/engine/quant): auto = the run dtype unquantized.
+    expert_dtype: str = "auto"  # auto | bf16 | int8 (per output row) | int4 (per group of inputs)
+    expert_group_size: int = 64  # int4: inputs per (scale, zero): 32, 64 or 128
     # Predictor link (policies with prediction hints): Redis broker, or an embedded predictor without one.
     redis_url: str | None = None  # redis://host:port; None: in-process broker + embedded predictor service
     engine_id: str | None = None  # names this engine's hint channel hintserve:hints:<engine_id>; None: generated
@@ -71,6 +74,10 @@ class EngineConfig:
             raise ValueError(f"host_threads must be at least 1, got {self.host_threads}")
         if self.prefetch_distance is not None and self.prefetch_distance < 1:
             raise ValueError(f"prefetch_distance must be at least 1, got {self.prefetch_distance}")
+        if self.expert_dtype not in ("auto", "bf16", "int8", "int4"):
+            raise ValueError(f"unknown expert dtype {self.expert_dtype!r}: use auto, bf16, int8 or int4")
+        if self.expert_group_size not in (32, 64, 128):
+            raise ValueError(f"expert_group_size must be 32, 64 or 128, got {self.expert_group_size}")
         check_broker_url(self.redis_url)
 
     def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
-from services.engine.expert_provider import ExpertProvider, ResidentExpertProvider
+from services.engine.expert_provider import ExpertProvider, ExpertWeights, ResidentExpertProvider
 from services.engine.models.checkpoint import Checkpoint
 from services.engine.models.model import MoECausalLM
 from services.engine.models.spec import ModelSpec, load_hf_config, rope_inv_freq, spec_from_config
@@ -18,6 +18,9 @@ from services.engine.models.weights import (
     expert_loader,
     load_non_expert_weights,
 )
+from services.engine.offload.host_store import ExpertLayout
+from services.engine.quant.layout import QuantizedExpertLayout
+from services.engine.quant.packed import QuantizedExpertWeights
 
 ProviderFactory = Callable[[WeightReader, ModelSpec, NonExpertWeights], ExpertProvider]
 
@@ -31,15 +34,28 @@ class LoadedModel:
     dtype: torch.dtype
 
 
-def load_resident_experts(reader: WeightReader, spec: ModelSpec) -> ResidentExpertProvider:
+def load_resident_experts(
+    reader: WeightReader, spec: ModelSpec, layout: ExpertLayout | QuantizedExpertLayout | None = None
+) -> ResidentExpertProvider:
+    """Every expert on the device, as read or (with a quantized `layout`) packed into one buffer each."""
     experts = []
     for layer in range(spec.num_layers):
         if not spec.moe_layers[layer]:
             experts.append(None)
             continue
         load = expert_loader(reader, spec, layer)
-        experts.append([load(e, reader.device) for e in range(spec.num_experts)])
+        experts.append([_place(load(e, reader.device), layout, reader.device) for e in range(spec.num_experts)])
     return ResidentExpertProvider(experts)
+
+
+def _place(
+    w: ExpertWeights, layout: ExpertLayout | QuantizedExpertLayout | None, device: torch.device | str
+) -> ExpertWeights | QuantizedExpertWeights:
+    if layout is None or (isinstance(layout, ExpertLayout) and layout.dtype == w.gate_up.dtype):
+        return w  # already in the form the layout asks for: no copy
+    flat = torch.empty(layout.numel, dtype=layout.dtype, device=device)
+    layout.pack(w, flat)
+    return layout.views(flat)
 
 
 def load_model(

@@ -7,6 +7,8 @@ import torch.nn.functional as F
 
 from services.engine.expert_provider import ExpertProvider, ExpertWeights
 from services.engine.models.router import Routing
+from services.engine.quant.kernels import packed_swiglu
+from services.engine.quant.packed import QuantizedExpertWeights
 from services.engine.step_context import StepContext
 
 
@@ -15,8 +17,12 @@ def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.
     return F.linear(F.silu(gate) * up, down)
 
 
-def expert_forward(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
+def expert_forward(x: torch.Tensor, w: ExpertWeights | QuantizedExpertWeights) -> torch.Tensor:
     """One routed expert on the tokens routed to it: the single entry point every executor calls."""
+    if isinstance(w, QuantizedExpertWeights):
+        return packed_swiglu(x, w.gate_up, w.down)
+    if w.gate_up.dtype != x.dtype:  # bf16 experts under fp32 activations (--expert-dtype bf16 on CPU)
+        return swiglu(x.to(w.gate_up.dtype), w.gate_up, w.down).to(x.dtype)
     return swiglu(x, w.gate_up, w.down)
 
 

@@ -13,13 +13,20 @@ Key = tuple[int, int]  # (layer, expert)
 
 
 class ExpertLayout:
-    """Where gate_up and down live inside one flat expert buffer (also the chunks of a transfer)."""
+    """Where gate_up and down live inside one flat expert buffer (also the chunks of a transfer).
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    The dense layout; services/engine/quant/layout.py has the packed int8/int4 one with the same interface."""
+
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype = torch.float32) -> None:
+        self.dtype = dtype
         self.gate_up_shape = (2 * intermediate, hidden)
         self.down_shape = (hidden, intermediate)
         self.gate_up_numel = 2 * intermediate * hidden
         self.numel = self.gate_up_numel + hidden * intermediate
+
+    def pack(self, w: ExpertWeights, flat: torch.Tensor) -> None:
+        flat[: self.gate_up_numel].copy_(w.gate_up.flatten())
+        flat[self.gate_up_numel :].copy_(w.down.flatten())
 
     def views(self, flat: torch.Tensor) -> ExpertWeights:
         return ExpertWeights(
@@ -32,18 +39,17 @@ class ExpertLayout:
 
 
 class HostExpertStore:
-    def __init__(self, reader: WeightReader, spec: ModelSpec, pin: bool) -> None:
-        self.layout = ExpertLayout(spec.hidden_size, spec.moe_intermediate_size)
-        self.dtype = reader.dtype
+    def __init__(self, reader: WeightReader, spec: ModelSpec, pin: bool, layout: ExpertLayout | None = None) -> None:
+        self.layout = layout or ExpertLayout(spec.hidden_size, spec.moe_intermediate_size, reader.dtype)
+        self.dtype = self.layout.dtype
         self.buffers: dict[Key, torch.Tensor] = {}
         layers = [layer for layer in range(spec.num_layers) if spec.moe_layers[layer]]
         for layer in tqdm(layers, desc="host expert store", unit="layer", leave=False):
             load = expert_loader(reader, spec, layer)
             for expert in range(spec.num_experts):
                 w = load(expert, "cpu")  # never placed on the device
-                flat = torch.empty(self.layout.numel, dtype=reader.dtype, pin_memory=pin)
-                flat[: self.layout.gate_up_numel].copy_(w.gate_up.flatten())
-                flat[self.layout.gate_up_numel :].copy_(w.down.flatten())
+                flat = torch.empty(self.layout.numel, dtype=self.dtype, pin_memory=pin)
+                self.layout.pack(w, flat)
                 self.buffers[(layer, expert)] = flat
 
     @property
@@ -54,5 +60,5 @@ class HostExpertStore:
     def total_bytes(self) -> int:
         return self.expert_bytes * len(self.buffers)
 
-    def weights(self, key: Key) -> ExpertWeights:
+    def weights(self, key: Key):  # ExpertWeights, or QuantizedExpertWeights for a packed layout
         return self.layout.views(self.buffers[key])

@@ -48,16 +48,21 @@ class OffloadSettings:
     link_ratio: float = DEFAULT_LINK_RATIO  # emulated: one expert's transfer = R x one expert's compute
     host_ratio: float = DEFAULT_HOST_RATIO  # emulated host: one expert on the host = R x on the device
     host_threads: int = 1  # host expert executor worker threads
+    link_reference_bytes: int = 0  # the expert that R x compute moves: unquantized (bf16 under --expert-dtype)
 
     @property
     def cache_bytes(self) -> int:
         return self.slots * self.expert_bytes
 
     @classmethod
-    def from_config(cls, config: EngineConfig, spec: ExpertGeometry, dtype: torch.dtype) -> OffloadSettings:
-        """`dtype`: what the experts are stored in on the device (their size sets the slot count)."""
+    def from_config(
+        cls, config: EngineConfig, spec: ExpertGeometry, dtype: torch.dtype, stored_bytes: int | None = None
+    ) -> OffloadSettings:
+        """`dtype`: the run dtype; `stored_bytes`: one expert as stored (packed int8/int4, bf16), which sets the
+        slot count; default unquantized in `dtype`."""
         policy = get_policy(config.offload_policy)
-        size = expert_bytes(spec, dtype)
+        size = stored_bytes or expert_bytes(spec, dtype)
+        reference = expert_bytes(spec, dtype if config.expert_dtype == "auto" else torch.bfloat16)
         if policy.name == "resident":
             slots = total_experts(spec)
         elif policy.pinned == "nothing":
@@ -82,6 +87,7 @@ class OffloadSettings:
             link_ratio=config.link_ratio or DEFAULT_LINK_RATIO,
             host_ratio=config.host_ratio or DEFAULT_HOST_RATIO,
             host_threads=config.host_threads or 1,
+            link_reference_bytes=reference,
         )
 
 

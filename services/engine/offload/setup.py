@@ -34,6 +34,7 @@ from services.engine.offload.routing_trace import RoutingTrace
 from services.engine.offload.settings import OffloadSettings
 from services.engine.offload.stats import OffloadStats
 from services.engine.offload.transfer_engine import TransferEngine
+from services.engine.quant.layout import config_expert_layout
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,8 @@ def make_link(settings: OffloadSettings, spec: ExpertGeometry, dtype: torch.dtyp
     ratio = settings.link_ratio
     per_expert = ratio * expert_compute_seconds(spec.hidden_size, spec.moe_intermediate_size, dtype)
     log.info("emulated link: %.3f ms per expert (ratio %.1f)", per_expert * 1e3, ratio)
-    return EmulatedLink(settings.expert_bytes / per_expert)
+    # Bandwidth from the unquantized expert, so a packed one moves its fewer bytes faster (a fair comparison).
+    return EmulatedLink((settings.link_reference_bytes or settings.expert_bytes) / per_expert)
 
 
 def _trace(settings: OffloadSettings, policy_name: str) -> RoutingTrace:
@@ -109,11 +111,12 @@ def build_expert_provider(
 ) -> ExpertProvider:
     from services.engine.models.loader import load_resident_experts
 
-    settings = OffloadSettings.from_config(config, spec, reader.dtype)
+    layout = config_expert_layout(config, spec, reader.dtype)
+    settings = OffloadSettings.from_config(config, spec, reader.dtype, layout.numel * layout.dtype.itemsize)
     if settings.policy.name == "resident":
-        return load_resident_experts(reader, spec)
+        return load_resident_experts(reader, spec, layout)
     cuda = settings.device.startswith("cuda")
-    store = HostExpertStore(reader, spec, pin=cuda)
+    store = HostExpertStore(reader, spec, pin=cuda, layout=layout)
     pinned = pinned_experts(settings.policy, spec, settings.slots,
                             _trace(settings, settings.policy.name) if settings.policy.needs_trace else None)
     if is_hybrid(settings.policy):
@@ -123,7 +126,7 @@ def build_expert_provider(
     stats_type = HintStats if "hints" in settings.policy.prefetchers else OffloadStats
     stats = stats_type(spec.num_layers, slots_total=slots, expert_bytes=store.expert_bytes)
     link = make_link(settings, spec, reader.dtype)
-    cache = ExpertCache(slots, store.layout, reader.dtype, settings.device, eviction)
+    cache = ExpertCache(slots, store.layout, store.dtype, settings.device, eviction)
     fence = None
     if settings.link == "native":
         from services.engine.offload.cuda_link import CudaLink
