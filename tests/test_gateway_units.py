@@ -10,7 +10,12 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.engine.errors import ContextLengthExceededError, EngineDeadError, InvalidRequestError
+from services.engine.errors import (
+    ContextLengthExceededError,
+    EngineDeadError,
+    InvalidRequestError,
+    RequestFailedError,
+)
 from services.gateway.admission import AdmissionController
 from services.gateway.engine_pool import EnginePool
 from services.gateway.engine_stats_collector import EngineStatsCollector, parse_stat_key
@@ -189,7 +194,9 @@ def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
         (_rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "prompt must not be empty"), 400, None, False),
         (_rpc_error(grpc.StatusCode.UNAVAILABLE, "failed to connect"), 503, "engine_unavailable", True),
         (_rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy"), 429, "rate_limit_exceeded", False),
-        (_rpc_error(grpc.StatusCode.INTERNAL, "boom"), 500, "engine_error", False),
+        (_rpc_error(grpc.StatusCode.INTERNAL, "boom"), 500, "request_failed", False),  # never retried
+        (RequestFailedError("sampler raised"), 500, "request_failed", False),
+        (_rpc_error(grpc.StatusCode.UNKNOWN, "boom"), 500, "engine_error", False),
         (RuntimeError("bug"), 500, "internal_error", False),
     ],
 )

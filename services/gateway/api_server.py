@@ -13,10 +13,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from services.gateway.admin import build_replay_config, check_admin, load_replay_module
 from services.gateway.errors import APIError, bad_request
 from services.gateway.middleware import GatewayMiddleware
+from services.gateway.openapi import install_body_schemas
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.request_body import parse_json, parse_request
 
@@ -85,6 +87,7 @@ def build_app(gateway: Gateway) -> FastAPI:
         auth=gateway.auth,
         metrics=gateway.metrics,
         max_body_bytes=gateway.config.max_body_bytes,
+        drain=gateway.drain,
     )
 
     @app.exception_handler(APIError)
@@ -94,7 +97,13 @@ def build_app(gateway: Gateway) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = "not_found" if exc.status_code == 404 else None
-        return error_response(APIError(exc.status_code, str(exc.detail), code=code))
+        # Starlette's 405 carries the Allow header (RFC 9110 requires it): keep it.
+        return error_response(APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:
+        # The client left while its body was read: counted as 499, nothing to answer, nothing to log.
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -144,9 +153,8 @@ def build_app(gateway: Gateway) -> FastAPI:
             for h in gateway.pool.engines
         ]
         ok = any(h.healthy and h.model_info is not None for h in gateway.pool.engines)
-        return JSONResponse(
-            {"status": "ready" if ok else "not ready", "engines": engines}, 200 if ok else 503
-        )
+        status = "draining" if gateway.drain.draining else "ready" if ok else "not ready"
+        return JSONResponse({"status": status, "engines": engines}, 200 if status == "ready" else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -170,4 +178,7 @@ def build_app(gateway: Gateway) -> FastAPI:
         )
         return to_response(await until_disconnected(raw, gateway.replay.run(module, config)))
 
+    install_body_schemas(
+        app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+    )
     return app

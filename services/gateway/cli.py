@@ -22,6 +22,7 @@ from typing import Any
 from services.common.metrics_http import add_metrics_args, check_metrics_port
 from services.gateway.auth import ADMIN_KEY_ENV, API_KEYS_ENV, load_api_keys
 from services.gateway.config import GatewayConfig, parse_engine_addresses
+from services.gateway.drain import DEFAULT_DRAIN_TIMEOUT_S, DRAIN_TIMEOUT_ENV, default_drain_timeout_s
 
 DEFAULT_MODEL_DIR = "models/demo-moe"
 
@@ -93,6 +94,19 @@ def _add_gateway_args(parser: argparse.ArgumentParser) -> None:
         "--max-n", type=int, default=d.max_n, help="largest n (choices x prompts) per request"
     )
     parser.add_argument("--health-interval-s", type=float, default=d.health_interval_s)
+    parser.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=None,
+        help=f"on SIGTERM, how long streams may finish before they are cut (default {DEFAULT_DRAIN_TIMEOUT_S:g}; "
+        f"env {DRAIN_TIMEOUT_ENV})",
+    )
+    parser.add_argument(
+        "--request-read-timeout-s",
+        type=float,
+        default=d.request_read_timeout_s,
+        help="a request's headers and body must arrive within this, else 408 (slow-client defence)",
+    )
 
 
 def is_loopback(host: str) -> bool:
@@ -109,6 +123,8 @@ def resolve_auth(args: argparse.Namespace, loopback_default_off: bool) -> tuple[
     if args.no_auth:
         if args.api_key_file:
             raise ValueError("--no-auth and --api-key-file contradict each other")
+        if os.environ.get(API_KEYS_ENV, "").strip():
+            raise ValueError(f"--no-auth contradicts the API keys in {API_KEYS_ENV}: unset one of them")
         return None, "authentication is OFF (--no-auth): anyone who can reach this port can use it"
     keys = load_api_keys(os.environ.get(API_KEYS_ENV), args.api_key_file)
     if keys:
@@ -143,6 +159,8 @@ def gateway_config(
         max_body_bytes=args.max_body_bytes,
         max_n=args.max_n,
         health_interval_s=args.health_interval_s,
+        drain_timeout_s=default_drain_timeout_s() if args.drain_timeout_s is None else args.drain_timeout_s,
+        request_read_timeout_s=args.request_read_timeout_s,
     )
     config.validate()
     return config
@@ -152,10 +170,18 @@ def _say(line: str) -> None:
     print(f"[hintserve] {line}", file=sys.stderr, flush=True)
 
 
-def _stop_on_signals(server: Any) -> None:
+def _drain_on_signals(gateway: Any, server: Any) -> None:
+    """SIGTERM / SIGINT start the graceful drain (a second one stops at once)."""
     loop = asyncio.get_running_loop()
+    tasks: set[asyncio.Task] = set()
+
+    def drain() -> None:
+        task = loop.create_task(gateway.drain_and_stop(server))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, server.request_exit)
+        loop.add_signal_handler(sig, drain)
 
 
 def _setup_logging() -> None:
@@ -189,8 +215,8 @@ async def _run_gateway(
     gateway = Gateway(config, [EngineClient(a) for a in addresses])
     if discover:
         gateway.discovery = EngineDiscovery(gateway.pool, addresses, EngineClient, config.health_interval_s)
-    server = HTTPServer(gateway.app, config.host, sock=sock)
-    _stop_on_signals(server)
+    server = HTTPServer(gateway.app, config.host, sock=sock, read_timeout_s=config.request_read_timeout_s)
+    _drain_on_signals(gateway, server)
     await server.start()
     healthy = len(gateway.pool.healthy_engines)
     _say(auth_line)
@@ -234,8 +260,8 @@ async def _run_serve(
     metrics = start_engine_metrics(engine, *metrics_at)
     try:
         gateway = Gateway(config, [InProcessEngineClient(engine)])
-        server = HTTPServer(gateway.app, config.host, sock=sock)
-        _stop_on_signals(server)
+        server = HTTPServer(gateway.app, config.host, sock=sock, read_timeout_s=config.request_read_timeout_s)
+        _drain_on_signals(gateway, server)
         await server.start()
         _say(auth_line)
         _say(f"serving {gateway.served_model_name} with the OpenAI API at {server.url}/v1 (Ctrl-C to stop)")

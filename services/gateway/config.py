@@ -21,6 +21,8 @@ class GatewayConfig:
     max_body_bytes: int = 1 << 20
     max_n: int = 16
     health_interval_s: float = 2.0
+    drain_timeout_s: float = 30.0  # SIGTERM: how long streams may run on before they are cut
+    request_read_timeout_s: float = 30.0  # a request's headers and body must arrive within this
 
     def validate(self) -> None:
         """Raises ValueError with a one-line message naming the flag."""
@@ -42,6 +44,10 @@ class GatewayConfig:
             raise ValueError(f"--max-n must be >= 1, got {self.max_n}")
         if self.health_interval_s <= 0:
             raise ValueError(f"--health-interval-s must be > 0, got {self.health_interval_s}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"--drain-timeout-s must be >= 0, got {self.drain_timeout_s}")
+        if self.request_read_timeout_s <= 0:
+            raise ValueError(f"--request-read-timeout-s must be > 0, got {self.request_read_timeout_s}")
         if self.api_keys is not None and not self.api_keys:
             raise ValueError("authentication is on but no API key is configured")
 

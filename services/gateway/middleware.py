@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 from services.gateway.auth import Authenticator
+from services.gateway.drain import Drain
 from services.gateway.errors import APIError
 from services.gateway.metrics import GatewayMetrics
 
@@ -43,15 +44,29 @@ def body_too_large(limit: int) -> APIError:
     return APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
 
 
+def shutting_down() -> APIError:
+    return APIError(
+        503,
+        "the server is shutting down; send the request to another replica",
+        code="server_shutting_down",
+        headers={"Retry-After": "1", "Connection": "close"},
+    )
+
+
 class GatewayMiddleware:
-    def __init__(self, app: Any, auth: Authenticator, metrics: GatewayMetrics, max_body_bytes: int) -> None:
+    def __init__(
+        self, app: Any, auth: Authenticator, metrics: GatewayMetrics, max_body_bytes: int, drain: Drain
+    ) -> None:
         self.app = app
         self.auth = auth
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
+        self.drain = drain
 
     def _precheck(self, scope: dict[str, Any]) -> APIError | None:
         path = scope["path"]
+        if self.drain.draining and path.startswith("/v1/"):
+            return shutting_down()
         # The admin routes check the admin key themselves; probes and /metrics stay open, as in vLLM.
         if path.startswith("/v1/") and not path.startswith("/v1/admin/"):
             try:
@@ -88,6 +103,7 @@ class GatewayMiddleware:
                     raise body_too_large(limit)
             return message
 
+        self.drain.request_started()
         try:
             error = self._precheck(scope)
             if error is not None:
@@ -95,6 +111,7 @@ class GatewayMiddleware:
                 return
             await self.app(scope, limited_receive, counting_send)
         finally:
+            self.drain.request_finished()
             path = scope["path"]
             handler = path if path in _KNOWN else "other"
             self.metrics.http_request(handler, scope["method"], status or 500)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -22,6 +23,14 @@ def _engine_aborted() -> APIError:
         "the engine aborted the request before it finished (engine shutting down?)",
         code="engine_aborted",
         retriable=True,
+    )
+
+
+def _shutting_down() -> APIError:
+    return APIError(
+        503,
+        "the server is shutting down: this stream was cut at the end of the drain timeout",
+        code="server_shutting_down",
     )
 
 
@@ -47,6 +56,8 @@ class EngineRouter:
         self.admission = admission
         self.batcher = batcher
         self.metrics = metrics
+        self.in_flight: dict[str, EngineHandle] = {}  # engine request id -> its engine, once it streams
+        self.cutting = False  # set by the drain: aborts from here on are the gateway's own
 
     async def _open(
         self,
@@ -124,6 +135,7 @@ class EngineRouter:
         m = self.metrics.model(model_name)
         handle, stream, out, submitted = await self._open(request_id, prompt, params, prompt_param, m)
         m.queue.observe(submitted - arrival)
+        self.in_flight[request_id] = handle
         first_token = last_token = 0.0
         prompt_tokens = completion_tokens = 0
         finish_reason = "abort"  # unless the engine says otherwise: closed early or failed
@@ -140,7 +152,7 @@ class EngineRouter:
                 prompt_tokens, completion_tokens = out.prompt_tokens, out.completion_tokens
                 if out.finished:
                     if out.finish_reason == "abort":
-                        raise _engine_aborted()
+                        raise _shutting_down() if self.cutting else _engine_aborted()
                     finish_reason = out.finish_reason or "stop"
                     if completion_tokens > 1:
                         m.tpot.observe((last_token - first_token) / (completion_tokens - 1))
@@ -157,9 +169,16 @@ class EngineRouter:
                         self.pool.mark_unhealthy(handle, describe_error(exc))
                     raise from_engine_error(exc, prompt_param) from exc
         finally:
+            self.in_flight.pop(request_id, None)
             m.running.dec()
             m.finished(finish_reason)
             m.prompt_tokens.inc(prompt_tokens)
             m.generation_tokens.inc(completion_tokens)
             self.admission.release(handle)
             await _close(stream)
+
+    async def cut_all(self) -> None:
+        """Aborts every streaming engine request: each stream ends with a server_shutting_down error."""
+        self.cutting = True
+        aborts = [handle.client.abort(rid) for rid, handle in list(self.in_flight.items())]
+        await asyncio.gather(*aborts, return_exceptions=True)  # NOT_FOUND: it finished meanwhile

@@ -18,10 +18,12 @@ from services.gateway.api_server import build_app
 from services.gateway.auth import Authenticator
 from services.gateway.batching import RequestBatcher
 from services.gateway.config import GatewayConfig
+from services.gateway.drain import CUT_GRACE_S, Drain
 from services.gateway.engine_client import EngineBackend
 from services.gateway.engine_discovery import EngineDiscovery
 from services.gateway.engine_pool import EnginePool
 from services.gateway.engine_stats_collector import EngineStatsCollector
+from services.gateway.http_protocol import protocol_with_read_timeout
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.router import EngineRouter
 from services.gateway.serving_chat import OpenAIServingChat
@@ -56,6 +58,7 @@ class Gateway:
         self.metrics.registry.register(EngineStatsCollector(self.pool))
         self.router = EngineRouter(self.pool, self.admission, self.batcher, self.metrics)
         self.auth = Authenticator(config.api_keys)
+        self.drain = Drain(config.drain_timeout_s)
         self.serving = OpenAIServing(
             self.router, self.pool, lambda: self.served_model_name, tokenizer, config.max_n
         )
@@ -84,6 +87,21 @@ class Gateway:
         if not self.pool.any_healthy:
             log.warning("no engine is healthy yet; requests get 503 until one is")
 
+    async def drain_and_stop(self, server: HTTPServer) -> None:
+        """SIGTERM: readiness false and no new requests, streams finish within the drain timeout, those
+        still running then end with an SSE error event; then the HTTP server exits."""
+        if self.drain.draining:  # a second signal: stop now
+            server.request_exit()
+            server.request_exit()
+            return
+        self.drain.begin()
+        server.stop_accepting()
+        if not await self.drain.wait_idle(self.drain.timeout_s):
+            log.warning("drain timeout: cutting %d stream(s)", len(self.router.in_flight))
+            await self.router.cut_all()
+            await self.drain.wait_idle(CUT_GRACE_S)
+        server.request_exit()
+
     async def stop(self) -> None:
         if self.discovery is not None:
             await self.discovery.stop()
@@ -93,8 +111,11 @@ class Gateway:
 def bind_socket(host: str, port: int) -> socket.socket:
     """The listening socket, bound now: the CLI does this before loading a model, so a busy port fails fast."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto=IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted sockets only when it sees that proto;
+    # without it every keep-alive response after the first waited ~40 ms on Nagle + delayed ACK.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # inherited by accepted sockets on Linux
     try:
         sock.bind((host, port))
     except OSError as exc:
@@ -107,7 +128,12 @@ class HTTPServer:
     """uvicorn on an already bound socket, as a task of the running loop (the CLI, tests, the benchmark)."""
 
     def __init__(
-        self, app: Any, host: str = "127.0.0.1", port: int = 0, sock: socket.socket | None = None
+        self,
+        app: Any,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        sock: socket.socket | None = None,
+        read_timeout_s: float = 30.0,
     ) -> None:
         self.sock = sock if sock is not None else bind_socket(host, port)
         self.host = host
@@ -117,8 +143,9 @@ class HTTPServer:
             log_level="warning",
             access_log=False,
             lifespan="on",
-            timeout_graceful_shutdown=5,
+            timeout_graceful_shutdown=3,  # after Gateway.drain_and_stop, only idle connections are left
             timeout_keep_alive=30,
+            http=protocol_with_read_timeout(read_timeout_s),
         )
         self.server = uvicorn.Server(config)
         # uvicorn would re-raise a caught SIGTERM after shutdown (killing the process before our cleanup);
@@ -149,6 +176,11 @@ class HTTPServer:
             await self.start()
         assert self._task is not None
         await self._task
+
+    def stop_accepting(self) -> None:
+        """Closes the listening socket(s); connections already open are served on."""
+        for listener in getattr(self.server, "servers", ()):
+            listener.close()
 
     def request_exit(self) -> None:
         """Graceful stop (in-flight requests get timeout_graceful_shutdown); a second call forces it."""
