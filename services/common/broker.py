@@ -24,6 +24,12 @@ PREDICTOR_GROUP = "hintserve-predictor"
 DEFAULT_STREAM_MAXLEN = 1_000  # a few seconds of steps: older contexts are stale, and a Mixtral batch of 8 is ~150 KB
 
 
+def entry_key(entry_id: str) -> tuple[int, int]:
+    """Stream entry ids ("<ms>-<seq>") in their order."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
 def hint_channel(engine_id: str) -> str:
     return f"{HINT_CHANNEL_PREFIX}{engine_id}"
 
@@ -80,6 +86,14 @@ class Broker(ABC):
 
     @abstractmethod
     async def stream_ack(self, stream: str, group: str, ids: list[str]) -> None: ...
+
+    @abstractmethod
+    async def stream_range(self, stream: str, after_id: str, count: int = 256) -> list[tuple[str, bytes]]:
+        """Up to `count` entries with ids after `after_id`, oldest first, whether delivered or not (replay)."""
+
+    @abstractmethod
+    async def group_last_delivered(self, stream: str, group: str) -> str | None:
+        """The id of the last entry the group handed out; None if there is no such group."""
 
     @abstractmethod
     async def stream_len(self, stream: str) -> int: ...

@@ -186,6 +186,19 @@ class InProcessBroker(Broker):
                 for mine in g.pending.values():
                     mine.pop(seq, None)
 
+    async def stream_range(self, stream: str, after_id: str, count: int = 256) -> list[tuple[str, bytes]]:
+        after = _seq(after_id)
+        with self._lock:
+            self._check()
+            s = self._streams.get(stream, _Stream())
+            return [(_entry_id(q), data) for q, data in s.entries.items() if q > after][:count]
+
+    async def group_last_delivered(self, stream: str, group: str) -> str | None:
+        with self._lock:
+            self._check()
+            g = self._streams.get(stream, _Stream()).groups.get(group)
+            return None if g is None else _entry_id(g.last_delivered)
+
     async def stream_len(self, stream: str) -> int:
         with self._lock:
             self._check()

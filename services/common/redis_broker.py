@@ -138,6 +138,27 @@ class RedisBroker(Broker):
         except _DOWN as exc:
             raise BrokerUnavailable(f"redis {self.url}: {exc}") from exc
 
+    async def stream_range(self, stream: str, after_id: str, count: int = 256) -> list[tuple[str, bytes]]:
+        try:
+            reply = await self._client.xrange(stream, min=f"({after_id}", max="+", count=count)
+        except _DOWN as exc:
+            raise BrokerUnavailable(f"redis {self.url}: {exc}") from exc
+        return [(entry_id.decode(), fields[_FIELD]) for entry_id, fields in reply if _FIELD in fields]
+
+    async def group_last_delivered(self, stream: str, group: str) -> str | None:
+        try:
+            groups = await self._client.xinfo_groups(stream)
+        except ResponseError:  # no such stream
+            return None
+        except _DOWN as exc:
+            raise BrokerUnavailable(f"redis {self.url}: {exc}") from exc
+        for info in groups:
+            name = info["name"].decode() if isinstance(info["name"], bytes) else info["name"]
+            if name == group:
+                last = info["last-delivered-id"]
+                return last.decode() if isinstance(last, bytes) else last
+        return None
+
     async def stream_len(self, stream: str) -> int:
         try:
             return int(await self._client.xlen(stream))

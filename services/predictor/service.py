@@ -19,7 +19,14 @@ from google.protobuf.message import DecodeError
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client import Counter as PromCounter
 
-from services.common.broker import CONTEXT_STREAM, PREDICTOR_GROUP, Broker, BrokerUnavailable, hint_channel
+from services.common.broker import (
+    CONTEXT_STREAM,
+    PREDICTOR_GROUP,
+    Broker,
+    BrokerUnavailable,
+    entry_key,
+    hint_channel,
+)
 from services.common.metrics_http import MetricsEndpoint
 from services.common.protos import predictor_pb2 as pb
 from services.predictor.hub import CapacityExceeded, PredictorHub
@@ -103,6 +110,8 @@ class PredictorService:
         self.connected = False
         self.ready = asyncio.Event()  # set once the consumer group exists (tests synchronise on it)
         self._stop = asyncio.Event()
+        self.last_entry_id: str | None = None  # the newest stream entry the predictors have learned from
+        self._replayed = False
 
     # ---- lifecycle ----
     async def run(self) -> None:
@@ -121,7 +130,7 @@ class PredictorService:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             if self.snapshotter is not None:
-                saved = self.snapshotter.save_all()
+                saved = self.snapshotter.save_all(self.last_entry_id)
                 if saved:
                     log.info("snapshot on shutdown: %s", ", ".join(f"{n} ({b} B)" for n, b in saved))
                 self.counters["snapshots_total"] += len(saved)
@@ -145,6 +154,9 @@ class PredictorService:
             try:
                 await self.broker.ensure_group(self.stream, self.group, start=self.start)
                 self._set_connected(True)
+                if not self._replayed:
+                    await self._replay_since_snapshots()
+                    self._replayed = True
                 self.ready.set()
                 await self._consume(pending=True)  # what a previous run of this consumer left unacknowledged
                 delay = self.backoff_s[0]
@@ -170,6 +182,7 @@ class PredictorService:
             # Acknowledge after the hints went out: the ack is off the latency path, and a crash before it
             # means the entries are redone (observed twice at worst), never lost.
             await self.broker.stream_ack(self.stream, self.group, [entry_id for entry_id, _ in entries])
+            self._advance(max((entry_id for entry_id, _ in entries), key=entry_key))
             if not pending or self._stop.is_set():
                 return
 
@@ -222,13 +235,51 @@ class PredictorService:
         self.metrics.contexts_rejected.labels(reason).inc()
         self.counters[f'contexts_rejected_total{{reason="{reason}"}}'] += 1
 
+    def _advance(self, entry_id: str) -> None:
+        if self.last_entry_id is None or entry_key(entry_id) > entry_key(self.last_entry_id):
+            self.last_entry_id = entry_id
+
+    async def _replay_since_snapshots(self) -> None:
+        """Learns again from what the last run had learned after its snapshots (a kill -9 skips the final
+        one): the entries after each model's snapshot id that the group already handed out and that are
+        not pending (the pending pass redoes those). Observe-only: their hints would be long stale."""
+        if self.snapshotter is None or not self.snapshotter.stream_ids:
+            return
+        since = self.snapshotter.stream_ids
+        until = await self.broker.group_last_delivered(self.stream, self.group)
+        if until is None:
+            return
+        pending = await self.broker.stream_read_group(
+            self.stream, self.group, self.consumer, count=1 << 20, block_ms=None, pending=True
+        )
+        skip = {entry_id for entry_id, _ in pending}
+        cursor = min(since.values(), key=entry_key)
+        replayed = 0
+        while entry_key(cursor) < entry_key(until):
+            entries = await self.broker.stream_range(self.stream, cursor, count=self.read_count)
+            if not entries:
+                break
+            for entry_id, data in entries:
+                if entry_key(entry_id) > entry_key(until):
+                    break
+                batch = None if entry_id in skip else self._decode(data)
+                snapshot_id = since.get(batch.shape.model, "0-0") if batch is not None else None
+                if batch is not None and entry_key(entry_id) > entry_key(snapshot_id or "0-0"):
+                    await self._process(batch)  # old: observed, not predicted for
+                    replayed += 1
+                self._advance(entry_id)
+            cursor = entries[-1][0]
+        self.counters["contexts_replayed_batches_total"] += replayed
+        if replayed:
+            log.info("replayed %d context batch(es) learned after the last snapshots", replayed)
+
     # ---- snapshots ----
     async def snapshot(self, models: list[str] | None = None) -> list[tuple[str, int]]:
         """Encodes on the loop (a consistent state), writes on a thread (the loop keeps serving)."""
         assert self.snapshotter is not None
         out = []
         for model in models if models is not None else list(self.hub.models):
-            name, data = self.snapshotter.encode(model)
+            name, data = self.snapshotter.encode(model, self.last_entry_id)
             await asyncio.to_thread(self.snapshotter.write, name, data)
             out.append((name, len(data)))
         self.counters["snapshots_total"] += len(out)

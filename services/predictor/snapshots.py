@@ -99,12 +99,15 @@ class Snapshotter:
     def __init__(self, directory: str, hub: PredictorHub) -> None:
         self.directory = directory
         self.hub = hub
+        # model -> the id of the last context-stream entry its restored snapshot had learned from: the
+        # service replays the entries after it, so a kill -9 loses nothing the stream still holds.
+        self.stream_ids: dict[str, str] = {}
         os.makedirs(directory, exist_ok=True)
 
-    def encode(self, model: str) -> tuple[str, bytes]:
+    def encode(self, model: str, stream_id: str | None = None) -> tuple[str, bytes]:
         """(file name, bytes) of one model's state; runs on the hub's loop so the state is consistent."""
         state = self.hub.models[model]
-        meta = {"shape": vars(state.shape), "predictor": self.hub.predictor_name}
+        meta = {"shape": vars(state.shape), "predictor": self.hub.predictor_name, "stream_id": stream_id}
         return file_name(model), dumps(meta, state.predictor.snapshot())
 
     def write(self, name: str, data: bytes) -> None:
@@ -117,11 +120,11 @@ class Snapshotter:
             os.fsync(f.fileno())
         os.replace(tmp, path)
 
-    def save_all(self) -> list[tuple[str, int]]:
+    def save_all(self, stream_id: str | None = None) -> list[tuple[str, int]]:
         """Synchronous snapshot of every model (shutdown path): [(file, bytes)]."""
         out = []
         for model in list(self.hub.models):
-            name, data = self.encode(model)
+            name, data = self.encode(model, stream_id)
             self.write(name, data)
             out.append((name, len(data)))
         return out
@@ -148,6 +151,10 @@ class Snapshotter:
         predictor = self.hub.factory(shape)
         predictor.restore(state)
         self.hub.install(shape, predictor)
+        if meta.get("stream_id"):
+            self.stream_ids[shape.model] = meta["stream_id"]
+        else:
+            self.stream_ids.pop(shape.model, None)
         return shape
 
     def restore_all(self) -> list[Shape]:
