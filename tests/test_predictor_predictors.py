@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.predictor.context import IterationContext, PredictionQuery, RequestTrace
+from services.common.iteration_context import IterationContext, PredictionQuery, RequestTrace
 from services.predictor.eval import masked
 from services.predictor.predictors import PREDICTORS, create_predictor, unavailable_reason
 from services.predictor.predictors.common import fewest_above

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from services.common.broker import Broker, hint_channel, make_broker
+from services.common.iteration_context import IterationContext, PredictionQuery
+from services.common.messages import Shape, from_context, select_experts
 from services.common.protos import predictor_pb2 as pb
-from services.predictor.context import IterationContext, PredictionQuery
 from services.predictor.hub import PredictorHub
-from services.predictor.messages import Shape, from_context, select_experts
 from services.predictor.predictors.base import Predictor
 from services.predictor.service import PredictorService
 from services.predictor.snapshots import Snapshotter, dumps, loads

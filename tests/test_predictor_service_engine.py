@@ -17,6 +17,7 @@ import torch
 
 from services.common.broker import CONTEXT_STREAM, make_broker
 from services.common.inprocess_broker import InProcessBroker
+from services.common.messages import Shape
 from services.engine.config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine.offload.prefetch.hints import HintPrefetcher, HintStats
@@ -24,7 +25,6 @@ from services.engine.predictor_link import PredictorLink
 from services.engine.sampling_params import SamplingParams
 from services.engine.step_context import Phase, StepContext
 from services.predictor.hub import PredictorHub
-from services.predictor.messages import Shape
 from services.predictor.service import PredictorService
 from tests.test_predictor_service import REDIS_URL, counting_factory, poll
 
@@ -219,7 +219,7 @@ async def test_link_never_blocks_the_decode_loop() -> None:
         ctx = _step(["a", "b"], [1, 1])
         start = time.perf_counter()
         for _ in range(100):
-            hints.on_step_end(ctx)
+            link.observe(ctx)
         per_step = (time.perf_counter() - start) / 100
         assert per_step < 1e-3, f"observing a step took {per_step * 1e3:.2f} ms"
         stats = link.engine_stats()

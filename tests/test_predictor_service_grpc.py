@@ -20,10 +20,10 @@ import redis.asyncio as redis
 
 from services.common.broker import hint_channel, make_broker
 from services.common.inprocess_broker import InProcessBroker
+from services.common.messages import Shape, from_context
 from services.common.protos import predictor_pb2 as pb
 from services.common.protos import predictor_pb2_grpc as pb_grpc
 from services.predictor.hub import PredictorHub
-from services.predictor.messages import Shape, from_context
 from services.predictor.server import serve_predictor
 from services.predictor.service import PredictorService
 from services.predictor.snapshots import Snapshotter, loads

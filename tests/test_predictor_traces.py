@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.predictor.context import PredictionQuery
+from services.common.iteration_context import PredictionQuery
 from services.predictor.eval import masked
 from services.predictor.predictors.speculative import SpeculativePredictor
 from services.predictor.traces import collect_traces, load_traces, read_prompts, save_traces

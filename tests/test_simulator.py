@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from services.cli import main
+from services.common.iteration_context import IterationContext, RequestTrace
 from services.engine.offload.policies import POLICIES, get_policy
 from services.engine.offload.stats import OffloadStats
 from services.engine.offload.transfer_engine import Transfer
-from services.predictor.context import IterationContext, RequestTrace
 from services.predictor.traces import TraceSet, load_traces, save_traces
 from services.simulator.calibration import (
     MISMATCHES,

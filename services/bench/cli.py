@@ -100,7 +100,7 @@ def _all(args: argparse.Namespace) -> int:
 
 def _hints(args: argparse.Namespace) -> int:
     from services.bench.hints_bench import run_hints_bench
-    from services.predictor.messages import Shape
+    from services.common.messages import Shape
 
     shape = Shape("bench", args.layers, args.experts, args.top_k, args.hidden)
     shape.validate()

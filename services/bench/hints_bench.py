@@ -22,11 +22,11 @@ from tqdm import tqdm
 
 from services.bench.report import markdown_table, run_header, write_json, write_markdown
 from services.common.broker import make_broker
+from services.common.iteration_context import PredictionQuery
+from services.common.messages import Shape
 from services.engine.offload.prefetch.hints import HintPrefetcher, HintStats
 from services.engine.predictor_link import PredictorLink
 from services.engine.step_context import Phase, StepContext
-from services.predictor.context import PredictionQuery
-from services.predictor.messages import Shape
 from services.predictor.predictors.base import Predictor
 
 _STATIC = np.linspace(1.0, 0.1, 256, dtype=np.float32)
@@ -122,6 +122,7 @@ def _run_case(
             if time.monotonic() > deadline:
                 raise RuntimeError("no hints from the predictor within 30 s")
             hints.on_step_end(pool[0])
+            link.observe(pool[0])
             time.sleep(0.05)
         time.sleep(0.2)
         warm = len(link.latencies_ms())
@@ -129,6 +130,7 @@ def _run_case(
             ctx = pool[step % len(pool)]
             ctx.step_index, ctx.iterations = step, [step] * batch
             hints.on_step_end(ctx)
+            link.observe(ctx)  # as the model runner's step observer
             time.sleep(interval_s)
         deadline = time.monotonic() + 5
         while link.engine_stats()["predictor_hint_batches_received_total"] < warm + steps and time.monotonic() < deadline:

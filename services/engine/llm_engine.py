@@ -19,6 +19,8 @@ from services.engine.isolation import StepIsolator
 from services.engine.model_runner import ModelRunner
 from services.engine.models.loader import load_model
 from services.engine.models.spec import load_hf_config, spec_from_config
+from services.engine.offload.prefetch.hints import HintPrefetcher
+from services.engine.offload.settings import PredictorSettings
 from services.engine.offload.setup import build_expert_provider
 from services.engine.output_processor import RequestStream, process_token
 from services.engine.outputs import RequestOutput
@@ -71,9 +73,19 @@ class LLMEngine:
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager)
         self.runner = ModelRunner(loaded.model, self.block_manager, self.eos_ids, config.seed, config.device)
         self.isolator = StepIsolator(self.runner.run)
+        self._start_predictor_link(loaded.model.experts)
         self.model = loaded.model
         self._streams: dict[str, tuple[Sequence, RequestStream]] = {}
         self.counters: Counter[str] = Counter()
+
+    def _start_predictor_link(self, experts: object) -> None:
+        """A hint policy's prefetcher gets its predictor link, which watches the runner's steps."""
+        hints = [p for p in getattr(experts, "prefetchers", ()) if isinstance(p, HintPrefetcher)]
+        predictor = PredictorSettings.from_config(self.config)
+        if hints and predictor is not None:
+            from services.engine.predictor_link import start_predictor_link  # redis, grpc: only when used
+
+            start_predictor_link(self.runner, hints[0], predictor, self.spec)
 
     def _num_kv_blocks(self, itemsize: int) -> int:
         cfg, spec = self.config, self.spec

@@ -29,8 +29,11 @@ class ModelRunner:
         self.device = device
         self.generator = torch.Generator().manual_seed(seed)
         self.num_steps = 0
-        # Called with each step's context after the forward pass (routing traces, predictor contexts).
+        # The one way to watch steps (trace recorder, predictor link, tests); observers must only record or
+        # enqueue. Step observers get each step's context after the forward pass; layer observers get it
+        # mid-step, right after that layer's routing (the predictor link's partial contexts).
         self.step_observers: list[Callable[[StepContext], None]] = []
+        self.layer_observers: dict[int, list[Callable[[int, StepContext], None]]] = {}
         model.allocate_kv_cache(block_manager.num_blocks * block_manager.block_size)
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
@@ -45,6 +48,7 @@ class ModelRunner:
             step_index=self.num_steps,
             seq_lens=meta.seq_lens,
             iterations=[s.num_completion_tokens for s in seqs],
+            layer_observers=self.layer_observers,
         )
         self.num_steps += 1
         hidden = self.model.forward(input_ids, positions, meta, ctx)

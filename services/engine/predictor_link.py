@@ -9,11 +9,14 @@ HintPrefetcher. If the broker goes away the engine keeps serving with its local 
 reconnects with exponential backoff and logs each state change once.
 
 Without --redis-url the link runs the predictor service itself, on an in-process broker in its thread.
+`start_predictor_link` wires one up: it watches the model runner's steps (ModelRunner.step_observers and
+layer_observers, the one observer mechanism) and feeds the offload policy's HintPrefetcher.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import itertools
 import logging
 import os
@@ -24,8 +27,6 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 
-import numpy as np
-import torch
 from google.protobuf.message import DecodeError
 
 from services.common.broker import (
@@ -33,12 +34,17 @@ from services.common.broker import (
     DEFAULT_STREAM_MAXLEN,
     Broker,
     BrokerUnavailable,
+    check_broker_url,
     hint_channel,
+    make_broker,
 )
+from services.common.messages import Shape
 from services.common.protos import predictor_pb2 as pb
+from services.engine.models.geometry import ExpertGeometry
 from services.engine.offload.prefetch.hints import HintPrefetcher
+from services.engine.offload.settings import PredictorSettings
 from services.engine.step_context import StepContext
-from services.predictor.messages import Shape, f32
+from services.engine.step_records import encode_step
 
 log = logging.getLogger(__name__)
 _ids = itertools.count()
@@ -47,45 +53,6 @@ _LATENCY_WINDOW = 2048  # recent hint batches behind the latency quantiles
 
 def default_engine_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{next(_ids)}"
-
-
-@torch.inference_mode()
-def encode_step(ctx: StepContext, layers_seen: int, shape: Shape) -> list[pb.IterationContext]:
-    """Per request of the step: token-mean router probabilities and routed-token counts of the first
-    `layers_seen` layers (dense layers stay zero), and the mean input embedding. One device copy per
-    array, then numpy over layers and requests (~0.1 ms for a 32-layer decode step on a CPU)."""
-    n_req, n_exp = len(ctx.request_ids), shape.num_experts
-    lens = np.asarray(ctx.seq_lens or [1] * n_req)
-    token_req = np.repeat(np.arange(n_req), lens)  # request of each token, in batch order
-
-    def per_request(x: np.ndarray) -> np.ndarray:  # [tokens, ...] -> [requests, ...] token mean
-        if len(x) == n_req:  # decode: one token per request
-            return x
-        out = np.zeros((n_req, *x.shape[1:]), np.float32)
-        np.add.at(out, token_req, x)
-        return out / lens.reshape(-1, *([1] * (x.ndim - 1)))
-
-    probs = np.zeros((n_req, shape.num_layers, n_exp), np.float32)
-    counts = np.zeros((n_req, shape.num_layers, n_exp), np.float32)
-    layers = [i for i in range(layers_seen) if i in ctx.router_probs and i in ctx.selected_experts]
-    if layers:
-        routed = torch.stack([ctx.router_probs[i] for i in layers], dim=1).float().cpu().numpy()
-        chosen = torch.stack([ctx.selected_experts[i] for i in layers], dim=1).cpu().numpy()
-        onehot = np.zeros((chosen.shape[0], len(layers), n_exp), np.float32)  # [tokens, layers, experts]
-        np.put_along_axis(onehot, chosen, 1.0, axis=2)
-        probs[:, layers] = per_request(routed)
-        counts[:, layers] = per_request(onehot) * lens.reshape(-1, 1, 1)
-    emb = np.zeros((n_req, 0), np.float32)
-    if ctx.embeddings is not None and shape.hidden_size:
-        emb = per_request(ctx.embeddings.float().cpu().numpy())
-    iterations = ctx.iterations or [0] * n_req
-    return [
-        pb.IterationContext(
-            request_id=rid, iteration=iterations[i], layers_seen=layers_seen, num_tokens=int(lens[i]),
-            probs=f32(probs[i]), counts=f32(counts[i]), embedding=f32(emb[i]),
-        )
-        for i, rid in enumerate(ctx.request_ids)
-    ]
 
 
 class PredictorLink:
@@ -130,8 +97,13 @@ class PredictorLink:
         self._closing = False
         self._ending = False  # the current connected session is winding down
         self._thread = threading.Thread(target=self._thread_main, name=f"predictor-link-{engine_id}", daemon=True)
-        hints.layer_observers.append(self.observe_layer)
-        hints.step_observers.append(self.observe)
+
+    def attach(self, runner) -> PredictorLink:
+        """Watches `runner`'s steps (anything with ModelRunner's step_observers and layer_observers)."""
+        runner.step_observers.append(self.observe)
+        for layer in sorted(self.partial_layers):
+            runner.layer_observers.setdefault(layer, []).append(self.observe_layer)
+        return self
 
     # ---- the decode loop's side: enqueue only ----
     def observe(self, ctx: StepContext) -> None:
@@ -139,8 +111,9 @@ class PredictorLink:
         self._enqueue(ctx, self.shape.num_layers)
 
     def observe_layer(self, layer: int, ctx: StepContext) -> None:
-        """After `layer`'s router: publish a partial context at the configured layers."""
-        if layer in self.partial_layers:
+        """After `layer`'s router: a partial context. Decode steps only, as the hint policies prefetch in
+        decode only (prefill touches nearly every expert)."""
+        if layer in self.partial_layers and not ctx.is_prefill:
             self._enqueue(ctx, layer + 1)
 
     def _enqueue(self, ctx: StepContext, layers_seen: int) -> None:
@@ -306,3 +279,55 @@ class PredictorLink:
         return out
 
 
+# The embedded predictor service (no --redis-url) lives in the predictor package, a layer above the engine:
+# named here, imported only when an engine runs one.
+EMBEDDED_PREDICTOR = "services.predictor.embedded:embedded_service"
+
+
+def start_predictor_link(
+    runner, hints: HintPrefetcher, predictor: PredictorSettings, spec: ExpertGeometry
+) -> PredictorLink | None:
+    """Feeds `hints` from the predictor and publishes `runner`'s step contexts to it: over Redis when
+    `predictor.redis_url` is set, else from an embedded service on an in-process broker. Contexts go out
+    after the first MoE layer (its routing sharpens the far-layer guesses) and at the end of every step.
+    Returns the started link, or None when no predictor can run here."""
+    shape = Shape(predictor.model_name, spec.num_layers, spec.num_experts, spec.top_k, spec.hidden_size)
+    first_moe = spec.moe_layers.index(True)
+    link = make_predictor_link(hints, shape, predictor.name, predictor.redis_url, predictor.engine_id, (first_moe,))
+    return None if link is None else link.attach(runner).start()
+
+
+def make_predictor_link(
+    hints: HintPrefetcher, shape: Shape, predictor: str, redis_url: str | None, engine_id: str | None,
+    partial_layers: tuple[int, ...] = (0,),
+) -> PredictorLink | None:
+    """A link (not started, not attached) over Redis when `redis_url` is set, else to an embedded service on
+    an in-process broker; None when the embedded predictor cannot be built here."""
+    engine_id = engine_id or default_engine_id()
+    embedded = None
+    if redis_url:
+        check_broker_url(redis_url)  # a bad URL fails at start-up, not in the link thread
+
+        def factory() -> Broker:
+            return make_broker(redis_url)
+    else:
+        from services.common.inprocess_broker import InProcessBroker
+
+        module, name = EMBEDDED_PREDICTOR.split(":")
+        try:
+            embedded = getattr(importlib.import_module(module), name)(predictor, engine_id)
+        except (ValueError, ImportError) as exc:
+            log.warning("no embedded predictor (%s): serving with local prefetchers only", exc)
+            return None
+        shared = InProcessBroker()
+
+        def factory() -> Broker:
+            return shared
+
+    link = PredictorLink(
+        factory, engine_id, shape, hints, predictor=predictor, embedded=embedded, partial_layers=partial_layers
+    )
+    if hasattr(hints.stats, "sources"):
+        hints.stats.sources.append(link.engine_stats)  # type: ignore[attr-defined]
+    hints.add_closer(link.close)
+    return link

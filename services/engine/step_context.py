@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -26,7 +27,16 @@ class StepContext:
     router_probs: dict[int, torch.Tensor] = field(default_factory=dict)
     layer_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
     selected_experts: dict[int, torch.Tensor] = field(default_factory=dict)
+    # layer -> observers told right after that layer's routing is in (ModelRunner.layer_observers).
+    layer_observers: dict[int, list[Callable[[int, StepContext], None]]] = field(default_factory=dict)
 
     @property
     def is_prefill(self) -> bool:
         return self.phase is Phase.PREFILL
+
+    def layer_routed(self, layer: int) -> None:
+        """Called by the MoE layer once its routing is recorded: runs that layer's observers (enqueue only)."""
+        observers = self.layer_observers.get(layer)
+        if observers:
+            for observe in observers:
+                observe(layer, self)

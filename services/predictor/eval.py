@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from services.predictor.context import IterationContext, PredictionQuery, RequestTrace
+from services.common.iteration_context import IterationContext, PredictionQuery, RequestTrace
 from services.predictor.predictors import create_predictor, predictor_class, unavailable_reason
 from services.predictor.traces import TracedIteration, TraceSet
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from services.common.iteration_context import IterationContext, PredictionQuery
+from services.common.messages import InvalidInput, Shape, select_experts, to_context
 from services.common.protos import predictor_pb2 as pb
-from services.predictor.context import IterationContext, PredictionQuery
-from services.predictor.messages import InvalidInput, Shape, select_experts, to_context
 from services.predictor.predictors.base import Predictor
 
 PredictorFactory = Callable[[Shape], Predictor]

@@ -14,10 +14,10 @@ from contextlib import contextmanager
 
 import grpc
 
+from services.common.messages import InvalidInput
 from services.common.protos import predictor_pb2 as pb
 from services.common.protos import predictor_pb2_grpc as pb_grpc
 from services.predictor.hub import CapacityExceeded, UnknownModel
-from services.predictor.messages import InvalidInput
 from services.predictor.service import PredictorService
 from services.predictor.snapshots import file_name
 

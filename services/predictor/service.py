@@ -27,10 +27,10 @@ from services.common.broker import (
     entry_key,
     hint_channel,
 )
+from services.common.messages import InvalidInput
 from services.common.metrics_http import MetricsEndpoint
 from services.common.protos import predictor_pb2 as pb
 from services.predictor.hub import CapacityExceeded, PredictorHub
-from services.predictor.messages import InvalidInput
 from services.predictor.snapshots import Snapshotter
 
 log = logging.getLogger(__name__)

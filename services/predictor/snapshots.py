@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from services.common.messages import InvalidInput, Shape
 from services.predictor.hub import PredictorHub
-from services.predictor.messages import InvalidInput, Shape
 
 log = logging.getLogger(__name__)
 SUFFIX = ".snapshot.npz"

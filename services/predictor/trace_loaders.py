@@ -21,7 +21,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from services.predictor.context import IterationContext, RequestTrace
+from services.common.iteration_context import IterationContext, RequestTrace
 from services.predictor.traces import TraceSet, iteration_from_routing
 
 QWEN_DUMMY_ROWS = 8192 + 256  # vLLM profiling / CUDA-graph warm-up passes (one constant route each)

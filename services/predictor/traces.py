@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from services.predictor.context import IterationContext, RequestTrace
+from services.common.iteration_context import IterationContext, RequestTrace
 
 FORMAT = "hintserve-trace-v1"
 
@@ -175,23 +175,19 @@ class TraceRecorder:
     def __call__(self, ctx) -> None:  # ctx: services.engine.step_context.StepContext
         import torch
 
-        layers = sorted(ctx.router_probs)
-        self.layer_ids = layers
-        E, L = self.num_experts, len(layers)
-        probs = torch.stack([ctx.router_probs[lay] for lay in layers], 1).float().cpu().numpy()  # [T, L, E]
-        selected = torch.stack([ctx.selected_experts[lay] for lay in layers], 1).cpu().numpy()  # [T, L, k]
-        emb = ctx.embeddings.float().cpu().numpy()
-        inputs = None
+        from services.engine.step_records import step_records
+
+        rec = step_records(ctx)
+        self.layer_ids = rec.layers
+        selected = inputs = None
         if self.keep_layer_inputs:
-            inputs = torch.stack([ctx.layer_inputs[lay] for lay in layers], 1).to(torch.float16).cpu().numpy()
-        flat_ids = selected + (np.arange(L) * E)[None, :, None]  # expert id -> layer*E + expert
-        start = 0
-        for rid, n, iteration in zip(ctx.request_ids, ctx.seq_lens, ctx.iterations):
-            s = slice(start, start + n)
-            start += n
-            counts = np.bincount(flat_ids[s].ravel(), minlength=L * E).reshape(L, E).astype(np.float32)
-            it = TracedIteration(rid, int(iteration), probs[s].mean(0), counts, emb[s].mean(0), num_tokens=n)
+            selected = torch.stack([ctx.selected_experts[lay] for lay in rec.layers], 1).cpu().numpy()  # [T, L, k]
+            inputs = torch.stack([ctx.layer_inputs[lay] for lay in rec.layers], 1).to(torch.float16).cpu().numpy()
+        for i, (rid, iteration) in enumerate(zip(ctx.request_ids, ctx.iterations)):
+            n = int(rec.num_tokens[i])
+            it = TracedIteration(rid, int(iteration), rec.probs[i], rec.counts[i], rec.embeddings[i], num_tokens=n)
             if inputs is not None:
+                s = slice(rec.token_offsets[i], rec.token_offsets[i + 1])
                 it.layer_inputs = inputs[s]
                 it.token_experts = selected[s].astype(np.uint8)
             # A preempted request recomputes its prefix: the later record of an iteration replaces the earlier.

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from services.predictor.context import RequestTrace
+from services.common.iteration_context import RequestTrace
 from services.predictor.predictors.expert_mlp import (
     MAX_DISTANCE,
     ExpertMLP,

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from services.common.iteration_context import RequestTrace
 from services.engine.offload.policies import OffloadPolicy
 from services.engine.offload.provider import PhaseRules
-from services.predictor.context import RequestTrace
 from services.predictor.traces import TraceSet, iteration_from_routing
 from services.simulator.hardware import RooflineCost, get_hardware
 from services.simulator.model_specs import MODEL_SPECS, MoEModelSpec

@@ -1,20 +1,21 @@
 """The predictor link on the simulated clock: the engine's context encoding, the service's PredictorHub
 run in-process, and hints landing in the same HintPrefetcher a fixed latency after their context left.
 
-It hooks into the HintPrefetcher exactly where PredictorLink does (layer and step observers): a partial
-context after the first MoE layer's router, the finished iteration at the end of every step. The hub
+It watches the simulated steps as PredictorLink watches the model runner's (layer and step observers): a
+partial context after the first MoE layer's router in decode steps, the finished iteration at the end of
+every step. The hub
 observes contexts (the predictor learns online, as the engine's embedded predictor does) and answers with
 hints, which the step loop hands to the prefetcher once the clock has passed their arrival time.
 """
 
 from __future__ import annotations
 
+from services.common.messages import Shape
 from services.common.protos import predictor_pb2 as pb
 from services.engine.offload.prefetch.hints import HintPrefetcher
-from services.engine.predictor_link import encode_step
 from services.engine.step_context import StepContext
+from services.engine.step_records import encode_step
 from services.predictor.hub import PredictorHub, resolve_predictor
-from services.predictor.messages import Shape
 from services.simulator.timeline import SimClock
 
 
@@ -36,11 +37,16 @@ class SimPredictorLink:
         self.predictor = predictor
         self.hub = PredictorHub(resolve_predictor(predictor), predictor)
         self._in_flight: list[tuple[float, list[pb.Hint]]] = []  # (arrival time, hints), oldest first
-        hints.layer_observers.append(self.observe_layer)
-        hints.step_observers.append(self.observe)
+
+    def attach(self, runner) -> SimPredictorLink:
+        """Watches the steps of `runner` (anything with ModelRunner's step_observers and layer_observers)."""
+        runner.step_observers.append(self.observe)
+        for layer in sorted(self.partial_layers):
+            runner.layer_observers.setdefault(layer, []).append(self.observe_layer)
+        return self
 
     def observe_layer(self, layer: int, ctx: StepContext) -> None:
-        if layer in self.partial_layers:
+        if layer in self.partial_layers and not ctx.is_prefill:  # as PredictorLink: decode steps only
             self._publish(ctx, layer + 1)
 
     def observe(self, ctx: StepContext) -> None:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
+from services.common.messages import Shape
 from services.engine.offload.expert_cache import ExpertCache
 from services.engine.offload.host_store import ExpertLayout
 from services.engine.offload.policies import OffloadPolicy
@@ -22,7 +24,7 @@ from services.engine.offload.provider import OffloadedExpertProvider
 from services.engine.offload.settings import OffloadSettings
 from services.engine.offload.setup import make_eviction, make_prefetchers
 from services.engine.offload.stats import OffloadStats
-from services.predictor.messages import Shape
+from services.engine.step_context import StepContext
 from services.simulator.hint_link import SimPredictorLink
 from services.simulator.timeline import SimClock, SimLink, SimTransferEngine
 from services.simulator.workload import Workload
@@ -57,6 +59,9 @@ class SimOffload:
     provider: OffloadedExpertProvider
     transfers: SimTransferEngine
     hint_link: SimPredictorLink | None
+    # Who watches the simulated steps, as ModelRunner's observers watch the engine's.
+    step_observers: list[Callable[[StepContext], None]] = field(default_factory=list)
+    layer_observers: dict[int, list[Callable[[int, StepContext], None]]] = field(default_factory=dict)
 
 
 @functools.cache
@@ -137,4 +142,7 @@ def build_offload(
         shape = Shape(spec.name, spec.num_layers, spec.num_experts, spec.top_k, int(embedding))
         first_moe = spec.moe_layers.index(True)
         hint_link = SimPredictorLink(hints[0], policy.predictor, shape, clock, hint_latency_s, (first_moe,))
-    return SimOffload(provider, transfers, hint_link)
+    offload = SimOffload(provider, transfers, hint_link)
+    if hint_link is not None:
+        hint_link.attach(offload)
+    return offload

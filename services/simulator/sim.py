@@ -169,6 +169,8 @@ def _run_step(
     spec = workload.spec
     provider = offload.provider if offload else None
     ctx = workload.context(step)
+    if offload is not None:
+        ctx.layer_observers = offload.layer_observers
     shape = step.shape
     log.peak_kv_tokens = max(log.peak_kv_tokens, shape.kv_tokens)
     for layer in range(spec.num_layers):
@@ -176,6 +178,7 @@ def _run_step(
         if not spec.moe_layers[layer]:
             continue
         tokens_of = workload.route(step, layer, ctx)
+        ctx.layer_routed(layer)
         if provider is None:
             clock.now += sum(cost.expert_seconds(n) for n in tokens_of.values())
             continue
@@ -189,6 +192,8 @@ def _run_step(
         provider.end_layer(layer, ctx)
     if provider is not None:
         provider.end_step(ctx)
+        for observe in offload.step_observers:  # type: ignore[union-attr]
+            observe(ctx)
     clock.now += cost.head_seconds(shape)
 
 

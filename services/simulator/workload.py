@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from services.common.iteration_context import IterationContext
 from services.engine.offload.routing_trace import RoutingTrace
 from services.engine.step_context import Phase, StepContext
-from services.predictor.context import IterationContext
 from services.predictor.traces import TraceSet
 from services.simulator.hardware import StepShape
 from services.simulator.model_specs import MoEModelSpec

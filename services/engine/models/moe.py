@@ -33,6 +33,7 @@ def moe_forward(
     weights, experts, probs = routing
     ctx.router_probs[layer] = probs
     ctx.selected_experts[layer] = experts
+    ctx.layer_routed(layer)
     top_k = experts.shape[1]
 
     flat_experts = experts.flatten()

@@ -32,6 +32,16 @@ class PredictorSettings:
     redis_url: str | None = None  # None: an embedded predictor service on an in-process broker
     engine_id: str | None = None  # None: generated
 
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> PredictorSettings | None:
+        """None unless the policy has a "hints" prefetcher and a predictor (its own, or --predictor)."""
+        policy = get_policy(config.offload_policy)
+        name = config.predictor or policy.predictor
+        if "hints" not in policy.prefetchers or not name or name == "none":
+            return None
+        model_name = os.path.basename(os.path.normpath(config.model))
+        return cls(name, model_name, config.redis_url, config.engine_id)
+
 
 @dataclass(frozen=True)
 class OffloadSettings:
@@ -80,7 +90,7 @@ class OffloadSettings:
             eviction=config.eviction or policy.eviction,
             prefetch_distance=config.prefetch_distance or policy.prefetch_distance,
             routing_trace=config.routing_trace,
-            predictor=_predictor(config, policy),
+            predictor=PredictorSettings.from_config(config),
             device=config.device,
             link=config.link,
             link_bytes_per_second=None if config.link_gbps is None else config.link_gbps * GB,
@@ -113,11 +123,3 @@ def resolve_slots(
             f"each expert takes {expert_bytes / 1e6:.2f} MB"
         )
     return min(slots, total)
-
-
-def _predictor(config: EngineConfig, policy: OffloadPolicy) -> PredictorSettings | None:
-    name = config.predictor or policy.predictor
-    if "hints" not in policy.prefetchers or not name or name == "none":
-        return None
-    model_name = os.path.basename(os.path.normpath(config.model))
-    return PredictorSettings(name, model_name, config.redis_url, config.engine_id)

@@ -28,7 +28,7 @@ from services.engine.offload.prefetch import (
     Prefetcher,
     SpeculativePrefetcher,
 )
-from services.engine.offload.prefetch.hints import HintStats
+from services.engine.offload.prefetch.hints import HintPrefetcher, HintStats
 from services.engine.offload.provider import OffloadedExpertProvider
 from services.engine.offload.routing_trace import RoutingTrace
 from services.engine.offload.settings import OffloadSettings
@@ -96,11 +96,10 @@ def make_prefetchers(
         elif name == "affinity":
             out.append(AffinityPrefetcher(spec.num_experts, spec.top_k, spec.moe_layers))
         elif name == "hints":
-            from services.engine.predictor_setup import build_hint_prefetcher  # redis, grpc: only when used
-
+            # Fed by the predictor link (services/engine/predictor_link.py) once the engine has its runner.
             # Beside a local skip-gate, hints serve only the layers beyond its reach.
             near = distance if "speculative" in policy.prefetchers else 0
-            out.append(build_hint_prefetcher(settings.predictor, spec, near, stats))
+            out.append(HintPrefetcher(spec.moe_layers, stats, min_hops=near + 1))
         else:
             raise ValueError(f"unknown prefetcher {name!r}")
     return out

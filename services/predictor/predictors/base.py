@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from services.predictor.context import IterationContext, PredictionQuery, RequestTrace
+from services.common.iteration_context import IterationContext, PredictionQuery, RequestTrace
 
 
 class Predictor(ABC):

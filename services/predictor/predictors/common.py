@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from services.predictor.context import IterationContext, PredictionQuery
+from services.common.iteration_context import IterationContext, PredictionQuery
 
 EPS = 1e-9
 

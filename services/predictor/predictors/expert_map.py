@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from services.predictor.context import IterationContext, PredictionQuery
+from services.common.iteration_context import IterationContext, PredictionQuery
 from services.predictor.predictors.base import Predictor
 from services.predictor.predictors.common import fewest_above, semantic_key, unit
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from services.predictor.context import IterationContext, PredictionQuery, RequestTrace
+from services.common.iteration_context import IterationContext, PredictionQuery, RequestTrace
 from services.predictor.predictors.base import Predictor
 from services.predictor.predictors.popularity_affinity import PopularityAffinityPredictor
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from services.predictor.context import IterationContext, PredictionQuery, RequestTrace
+from services.common.iteration_context import IterationContext, PredictionQuery, RequestTrace
 from services.predictor.predictors.base import Predictor
 from services.predictor.predictors.common import fewest_above, hidden_at
 from services.predictor.predictors.expert_map import ExpertMapPredictor

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from services.predictor.context import PredictionQuery, RequestTrace
+from services.common.iteration_context import PredictionQuery, RequestTrace
 from services.predictor.predictors.base import Predictor
 from services.predictor.predictors.common import hidden_at
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from services.predictor.context import PredictionQuery
+from services.common.iteration_context import PredictionQuery
 from services.predictor.predictors.base import Predictor
 from services.predictor.predictors.common import row_normalise
 

@@ -6,7 +6,7 @@ import zlib
 
 import numpy as np
 
-from services.predictor.context import PredictionQuery
+from services.common.iteration_context import PredictionQuery
 from services.predictor.predictors.base import Predictor
 
 

@@ -14,7 +14,7 @@ import os
 import numpy as np
 import torch
 
-from services.predictor.context import PredictionQuery
+from services.common.iteration_context import PredictionQuery
 from services.predictor.predictors.base import Predictor
 from services.predictor.predictors.common import hidden_at
 

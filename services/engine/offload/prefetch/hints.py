@@ -64,9 +64,6 @@ class HintPrefetcher(Prefetcher):
         # (request, iteration) -> target layer -> (experts, probabilities)
         self._hints: dict[tuple[str, int], dict[int, tuple[list[int], list[float]]]] = {}
         self._progress: dict[str, tuple[int, int]] = {}  # request -> (iteration, last layer routed)
-        # Hooks for the predictor link: called from the decode loop, must only enqueue.
-        self.layer_observers: list[Callable[[int, StepContext], None]] = []
-        self.step_observers: list[Callable[[StepContext], None]] = []
         self._closers: list[Callable[[], None]] = []
         # Calibration: the predictor's probabilities are scaled so that, on average, they match how often
         # its hinted experts were then routed to (the eviction policy weighs a prefetch by them).
@@ -108,8 +105,6 @@ class HintPrefetcher(Prefetcher):
 
     # ---- the decode loop's side ----
     def plan(self, layer: int, ctx: StepContext) -> list[PrefetchRequest]:
-        for observe in self.layer_observers:
-            observe(layer, ctx)
         miss: dict[tuple[int, int, bool], float] = {}  # P(no request needs it), across the batch
         hops_of: dict[tuple[int, int, bool], int] = {}
         with self._lock:
@@ -144,8 +139,6 @@ class HintPrefetcher(Prefetcher):
                 self._progress[rid] = (it, self.last_layer)  # re-inserted: trimming drops idle requests
                 self._hints.pop((rid, it), None)  # used up (or too late now)
             _trim(self._progress)
-        for observe in self.step_observers:
-            observe(ctx)
 
     def pending(self) -> int:
         """Request iterations holding hints (tests, debugging)."""

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from services.common.iteration_context import IterationContext
 from services.common.protos import predictor_pb2 as pb
-from services.predictor.context import IterationContext
 
 
 class InvalidInput(ValueError):
