@@ -27,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in _COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)
+    # Commands that run other commands (`bench all`) get this dispatcher: it sits above their packages.
+    parser.set_defaults(run_command=main)
     return parser
 
 

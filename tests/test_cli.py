@@ -133,7 +133,7 @@ _ENGINE_MAIN = (
 
 @pytest.mark.slow
 def test_engine_serves_until_sigterm(tiny_mixtral_dir: str) -> None:
-    from services.engine.grpc_server import EngineClient
+    from services.engine.grpc_client import EngineClient
     from services.engine.sampling_params import SamplingParams
 
     repo_root = Path(__file__).resolve().parents[1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,7 +18,8 @@ from services.common import protos
 from services.common.protos import engine_pb2
 from services.engine.async_engine import AsyncLLMEngine
 from services.engine.config import EngineConfig
-from services.engine.grpc_server import EngineClient, serve_engine, stop_server
+from services.engine.grpc_client import EngineClient
+from services.engine.grpc_server import serve_engine, stop_server
 from services.engine.sampling_params import SamplingParams
 
 PROMPT = "The quick brown fox"
@@ -245,3 +247,13 @@ async def test_health_model_info_stats(engine: Any, client: EngineClient) -> Non
     assert set(engine.stats()) <= set(counters)
     assert counters["kv_blocks_capacity"] > 0
     assert stats_reply.num_running == 0 and stats_reply.num_waiting == 0
+
+
+async def test_container_healthcheck_probes_the_engine(client: EngineClient) -> None:
+    from services.common.healthcheck import check_engine
+
+    assert await check_engine(client.address, 5.0) is None
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    assert await check_engine(dead, 0.5)  # unhealthy, with a reason

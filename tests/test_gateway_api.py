@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from services.engine.grpc_server import EngineClient
+from services.engine.grpc_client import EngineClient
 from services.engine.sampling_params import SamplingParams
 from services.gateway.engine_client import InProcessEngineClient
 from tests.test_gateway_support import (

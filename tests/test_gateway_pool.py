@@ -12,7 +12,8 @@ import httpx
 import openai
 import pytest
 
-from services.engine.grpc_server import EngineClient, serve_engine, stop_server
+from services.engine.grpc_client import EngineClient
+from services.engine.grpc_server import serve_engine, stop_server
 from tests.test_gateway_support import (
     MODEL,
     openai_client,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.common.iteration_context import IterationContext, PredictionQuery, RequestTrace
+from services.common.iteration_context import IterationContext, PredictionQuery, RequestTrace, TracedIteration
 from services.predictor.eval import masked
 from services.predictor.predictors import PREDICTORS, create_predictor, unavailable_reason
 from services.predictor.predictors.common import fewest_above
@@ -15,7 +15,7 @@ from services.predictor.predictors.expert_map import ExpertMapPredictor, bench_s
 from services.predictor.predictors.expert_mlp import ExpertMLPPredictor
 from services.predictor.predictors.learned_gate import LearnedGatePredictor
 from services.predictor.predictors.popularity_affinity import PopularityAffinityPredictor
-from services.predictor.traces import TracedIteration, TraceSet
+from services.predictor.traces import TraceSet
 
 L, E, K, H = 4, 8, 2, 16
 

@@ -14,7 +14,8 @@ import pytest
 import services.engine.model_runner as model_runner
 from services.engine.cli import until_stopped_or_dead
 from services.engine.errors import EngineDeadError, RequestFailedError
-from services.engine.grpc_server import EngineClient, serve_engine, stop_server
+from services.engine.grpc_client import EngineClient
+from services.engine.grpc_server import serve_engine, stop_server
 from services.engine.sampling_params import SamplingParams
 from tests.test_gateway_support import MODEL, openai_client, running_gateway, started_engine, stat
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from services.common.protos import engine_pb2
-from services.engine.grpc_server import EngineClient, serve_engine, stop_server
+from services.engine.grpc_client import EngineClient
+from services.engine.grpc_server import serve_engine, stop_server
 from services.engine.sampler import sample
 from services.engine.sampling_params import SamplingParams
 from services.engine.sequence import Sequence

@@ -12,7 +12,7 @@ from services.engine.llm_engine import LLMEngine
 from services.engine.sampling_params import SamplingParams
 from services.engine.step_context import Phase, StepContext
 from services.engine.step_records import encode_step, step_records
-from services.predictor.traces import TraceRecorder
+from services.engine.trace_recorder import TraceRecorder
 
 
 def _prefill() -> StepContext:

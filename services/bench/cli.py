@@ -94,7 +94,7 @@ def _all(args: argparse.Namespace) -> int:
     from services.bench.suite import run_all
 
     _require_model(args.model)
-    print(f"report: {run_all(args.model, args.out, args.quick)}")
+    print(f"report: {run_all(args.model, args.out, args.run_command, args.quick)}")
     return 0
 
 

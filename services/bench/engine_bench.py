@@ -10,7 +10,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
-from services.bench.report import bar_plot, markdown_table, run_header, write_json, write_markdown
+from services.common.report import bar_plot, markdown_table, run_header, write_json, write_markdown
 from services.engine.config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine.sampling_params import SamplingParams

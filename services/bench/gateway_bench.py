@@ -74,7 +74,7 @@ async def _engine_rounds(
 
 
 async def _grpc_rounds(address: str, prompts: list[str], max_tokens: int, rounds: int) -> dict:
-    from services.engine.grpc_server import EngineClient
+    from services.engine.grpc_client import EngineClient
     from services.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -185,7 +185,7 @@ async def _client(cfg: dict) -> dict:
 async def _gateway_rounds(
     address: str, model: str, prompts: list[str], max_tokens: int, rounds: int, batch_window_ms: float
 ) -> dict:
-    from services.engine.grpc_server import EngineClient
+    from services.engine.grpc_client import EngineClient
     from services.gateway.config import GatewayConfig
     from services.gateway.server import Gateway, HTTPServer
 
@@ -308,7 +308,7 @@ def run_gateway_bench(
     rounds: int = 3,
     batch_window_ms: float = 2.0,
 ) -> dict:
-    from services.bench.report import bar_plot, markdown_table, run_header, write_json, write_markdown
+    from services.common.report import bar_plot, markdown_table, run_header, write_json, write_markdown
 
     paths = asyncio.run(_run(model, concurrency, max_tokens, prompt_words, rounds, batch_window_ms))
     engine, grpc, gateway = paths["engine"], paths["grpc"], paths["gateway"]

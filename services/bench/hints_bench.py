@@ -20,10 +20,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from services.bench.report import markdown_table, run_header, write_json, write_markdown
 from services.common.broker import make_broker
 from services.common.iteration_context import PredictionQuery
 from services.common.messages import Shape
+from services.common.report import markdown_table, run_header, write_json, write_markdown
 from services.engine.offload.prefetch.hints import HintPrefetcher, HintStats
 from services.engine.predictor_link import PredictorLink
 from services.engine.step_context import Phase, StepContext

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from tqdm import tqdm
 
 from services.bench.prompts import prompt_ids
-from services.bench.report import bar_plot, markdown_table, run_header, write_json, write_markdown
+from services.common.report import bar_plot, markdown_table, run_header, write_json, write_markdown
 from services.engine.config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine.offload.routing_trace import RoutingTrace

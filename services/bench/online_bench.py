@@ -18,7 +18,7 @@ import time
 import httpx
 from tqdm import tqdm
 
-from services.bench.report import bar_plot, markdown_table, run_header, write_json, write_markdown
+from services.common.report import bar_plot, markdown_table, run_header, write_json, write_markdown
 
 _TRACE_POLICIES = ("oracle", "belady")
 

@@ -11,8 +11,9 @@ import datetime as dt
 import os
 import shlex
 import tempfile
+from collections.abc import Callable
 
-from services.bench.report import machine_description
+from services.common.report import machine_description
 
 SHARED = os.environ.get("HINTSERVE_SHARED", os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared"))
 PROMPTS = ("data/prompts/gsm8k_humaneval/gsm8k_test.jsonl", "data/prompts/gsm8k_humaneval/humaneval.jsonl")
@@ -78,13 +79,12 @@ def _predictor_commands(model: str, out: str, quick: bool) -> list[list[str]]:
     return cmds
 
 
-def run_all(model: str, out_dir: str, quick: bool = False) -> str:
-    from services.cli import main
-
+def run_all(model: str, out_dir: str, run: Callable[[list[str]], int], quick: bool = False) -> str:
+    """Runs every suite command through `run` (the `hintserve` dispatcher, services.cli.main, a layer above)."""
     commands = suite_commands(model, out_dir, quick)
     for argv in commands:
         print(f"\n$ hintserve {shlex.join(argv)}", flush=True)
-        code = main(argv)
+        code = run(argv)
         if code:
             raise RuntimeError(f"`hintserve {shlex.join(argv)}` exited with {code}")
     return write_report(out_dir, commands)

@@ -26,15 +26,18 @@ def check_http(url: str, timeout_s: float) -> str | None:
 
 async def check_engine(address: str, timeout_s: float) -> str | None:
     """None if the engine at `address` reports SERVING, else why not."""
-    from services.engine.grpc_server import EngineClient
-    from services.gateway.engine_pool import describe_error
+    import grpc
 
-    async with EngineClient(address) as client:
+    from services.common.protos import engine_pb2, engine_pb2_grpc
+    from services.common.rpc_errors import describe_error
+
+    async with grpc.aio.insecure_channel(address) as channel:
         try:
-            serving = await asyncio.wait_for(client.health(), timeout_s)
+            call = engine_pb2_grpc.EngineStub(channel).Health(engine_pb2.HealthRequest())
+            response = await asyncio.wait_for(call, timeout_s)
         except Exception as exc:  # unreachable, timed out, not an engine: all unhealthy
             return describe_error(exc)
-    return None if serving else "engine reports NOT_SERVING"
+    return None if response.status == engine_pb2.HealthResponse.SERVING else "engine reports NOT_SERVING"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -60,3 +60,11 @@ class PredictionQuery:
     @property
     def distance(self) -> int:
         return self.target_layer - self.current.layers_seen + 1
+
+
+@dataclass
+class TracedIteration(IterationContext):
+    """An iteration with (optionally) every token's MoE-block inputs and selected experts."""
+
+    layer_inputs: np.ndarray | None = None  # [tokens, layers, hidden] float16
+    token_experts: np.ndarray | None = None  # [tokens, layers, top_k] uint8

@@ -1,28 +1,21 @@
-"""The engine's gRPC front end (`grpc.aio`) and a small async client the gateway reuses."""
+"""The engine's gRPC front end (`grpc.aio`); its client is services/engine/grpc_client.py."""
 
 from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 
 from services.common.protos import engine_pb2, engine_pb2_grpc
 from services.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
+from services.engine.grpc_client import MODEL_INFO_FIELDS
 from services.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-# gRPC's reconnect backoff grows to 120 s by default: a restarted engine would wait that long to be
-# re-admitted. Capped at 1 s, it is back within about a second of listening again.
-RECONNECT_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
-_MODEL_INFO_FIELDS = tuple(f.name for f in engine_pb2.ModelInfoResponse.DESCRIPTOR.fields)
+
 
 
 def params_from_proto(msg: Any) -> SamplingParams:
@@ -41,25 +34,6 @@ def params_from_proto(msg: Any) -> SamplingParams:
         if msg.HasField(name):
             setattr(params, name, getattr(msg, name))
     return params
-
-
-def params_to_proto(params: SamplingParams) -> Any:
-    msg = engine_pb2.SamplingParams(
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        max_tokens=params.max_tokens,
-        min_tokens=params.min_tokens,
-        stop=params.stop,
-        stop_token_ids=params.stop_token_ids,
-        ignore_eos=params.ignore_eos,
-        frequency_penalty=params.frequency_penalty,
-        presence_penalty=params.presence_penalty,
-        repetition_penalty=params.repetition_penalty,
-    )
-    if params.seed is not None:
-        msg.seed = params.seed
-    return msg
 
 
 def _response(out: Any) -> Any:
@@ -124,7 +98,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def ModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         info = self._engine.model_info()
         return engine_pb2.ModelInfoResponse(
-            **{k: v for k, v in info.items() if k in _MODEL_INFO_FIELDS and v is not None}
+            **{k: v for k, v in info.items() if k in MODEL_INFO_FIELDS and v is not None}
         )
 
     async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -169,64 +143,3 @@ async def serve_engine(
 
 async def stop_server(server: grpc.aio.Server, grace: float = 5.0) -> None:
     await server.stop(grace)
-
-
-class EngineClient:
-    """Async client for the Engine service.
-
-    `generate` mirrors `AsyncLLMEngine.generate(request_id, prompt, params)` and yields GenerateResponse
-    messages, whose field names match RequestOutput's (finish_reason is "" rather than None while running).
-    RPC errors surface as `grpc.aio.AioRpcError` (check `.code()`: INVALID_ARGUMENT, ALREADY_EXISTS, ...).
-    """
-
-    def __init__(self, address: str, channel: grpc.aio.Channel | None = None) -> None:
-        self.address = address
-        self._channel = channel or grpc.aio.insecure_channel(address, options=RECONNECT_OPTIONS)
-        self.stub = engine_pb2_grpc.EngineStub(self._channel)
-
-    async def wait_ready(self, timeout: float = 10.0) -> None:
-        import asyncio
-
-        await asyncio.wait_for(self._channel.channel_ready(), timeout)
-
-    async def generate(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
-    ) -> AsyncIterator[Any]:
-        request = engine_pb2.GenerateRequest(
-            request_id=request_id, sampling=params_to_proto(params or SamplingParams())
-        )
-        if isinstance(prompt, str):
-            request.text = prompt
-        else:
-            request.token_ids.ids.extend(prompt)
-        call = self.stub.Generate(request)
-        try:
-            async for response in call:
-                yield response
-        finally:
-            # The consumer stopped early (or failed): cancel the RPC so the server aborts the request.
-            call.cancel()
-
-    async def abort(self, request_id: str) -> None:
-        await self.stub.Abort(engine_pb2.AbortRequest(request_id=request_id))
-
-    async def health(self) -> bool:
-        response = await self.stub.Health(engine_pb2.HealthRequest())
-        return response.status == engine_pb2.HealthResponse.SERVING
-
-    async def model_info(self) -> dict[str, Any]:
-        response = await self.stub.ModelInfo(engine_pb2.ModelInfoRequest())
-        return {name: getattr(response, name) for name in _MODEL_INFO_FIELDS}
-
-    async def stats(self) -> dict[str, float]:
-        response = await self.stub.Stats(engine_pb2.StatsRequest())
-        return dict(response.counters)
-
-    async def close(self) -> None:
-        await self._channel.close()
-
-    async def __aenter__(self) -> EngineClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()

@@ -208,7 +208,7 @@ def run_gateway(args: argparse.Namespace) -> int:
 async def _run_gateway(
     config: GatewayConfig, addresses: list[str], auth_line: str, sock: Any, discover: bool
 ) -> None:
-    from services.engine.grpc_server import EngineClient
+    from services.engine.grpc_client import EngineClient
     from services.gateway.engine_discovery import EngineDiscovery
     from services.gateway.server import Gateway, HTTPServer
 

@@ -1,6 +1,6 @@
 """The engine backends the gateway routes to: one interface, two implementations.
 
-* `services.engine.grpc_server.EngineClient`: a remote engine over gRPC; yields proto GenerateResponse,
+* `services.engine.grpc_client.EngineClient`: a remote engine over gRPC; yields proto GenerateResponse,
   raises `grpc.aio.AioRpcError`.
 * `InProcessEngineClient` (here): an `AsyncLLMEngine` in this process, so `hintserve serve` skips gRPC;
   yields RequestOutput, raises the engine's InvalidRequestError / ContextLengthExceededError /

@@ -8,17 +8,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.common.rpc_errors import describe_error
 from services.gateway.engine_client import EngineBackend
 
 log = logging.getLogger(__name__)
 
 MAX_DOWN_PROBE_INTERVAL_S = 1.0
-
-
-def describe_error(exc: BaseException) -> str:
-    # AioRpcError's str() is a multi-line debug dump; its details() is the one line worth logging.
-    details = exc.details() if hasattr(exc, "details") else None
-    return f"{type(exc).__name__}: {details or exc}"
 
 
 @dataclass(eq=False)

@@ -7,10 +7,11 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from services.common.rpc_errors import describe_error
 from services.engine.sampling_params import SamplingParams
 from services.gateway.admission import AdmissionController
 from services.gateway.batching import RequestBatcher
-from services.gateway.engine_pool import EngineHandle, EnginePool, describe_error
+from services.gateway.engine_pool import EngineHandle, EnginePool
 from services.gateway.errors import APIError, from_engine_error, is_engine_down
 from services.gateway.metrics import GatewayMetrics, ModelMetrics
 

@@ -191,7 +191,7 @@ def run_bench_search(args: argparse.Namespace) -> int:
               f"{r['semantic_p99_ms']:.3f}, trajectory {r['trajectory_p99_ms']:.3f})")
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", file=sys.stderr)
     if args.json:
-        from services.bench.report import run_header, write_json
+        from services.common.report import run_header, write_json
 
         write_json(args.json, {**run_header(), "layers": args.layers, "experts": args.experts,
                                "hidden": args.hidden, "load_average": os.getloadavg()[0], "results": results})

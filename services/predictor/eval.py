@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from services.common.iteration_context import IterationContext, PredictionQuery, RequestTrace
+from services.common.iteration_context import IterationContext, PredictionQuery, RequestTrace, TracedIteration
 from services.predictor.predictors import create_predictor, predictor_class, unavailable_reason
-from services.predictor.traces import TracedIteration, TraceSet
+from services.predictor.traces import TraceSet
 
 
 @dataclass
@@ -217,7 +217,7 @@ TABLE_KEYS = ("exact_hit", "at_least_one", "recall_at_budget", "goodpred")
 
 
 def markdown_report(payload: dict, title: str) -> str:
-    from services.bench.report import markdown_table
+    from services.common.report import markdown_table
 
     rows = payload["rows"]
     cfg, trace = payload["config"], payload["trace"]
@@ -279,7 +279,7 @@ def write_report(payload: dict, json_path: str, title: str) -> tuple[str, str, s
     """JSON + markdown + PNG side by side (same stem). Returns the three paths."""
     import os
 
-    from services.bench.report import run_header, write_json
+    from services.common.report import run_header, write_json
 
     stem = os.path.splitext(json_path)[0]
     payload = {**run_header(), "title": title, **payload}

@@ -16,17 +16,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from services.common.iteration_context import IterationContext, RequestTrace
+from services.common.iteration_context import IterationContext, RequestTrace, TracedIteration
 
 FORMAT = "hintserve-trace-v1"
-
-
-@dataclass
-class TracedIteration(IterationContext):
-    """An iteration with (optionally) every token's MoE-block inputs and selected experts."""
-
-    layer_inputs: np.ndarray | None = None  # [tokens, layers, hidden] float16
-    token_experts: np.ndarray | None = None  # [tokens, layers, top_k] uint8
 
 
 @dataclass
@@ -160,47 +152,6 @@ def merge_traces(traces: list[TraceSet]) -> TraceSet:
                     "+".join(t.source for t in traces), first.model, first.notes, first.model_hash)
 
 
-# ---- recording from our engine ------------------------------------------------------------------
-
-
-class TraceRecorder:
-    """Engine step observer: one TracedIteration per (request, iteration) from each step's context."""
-
-    def __init__(self, num_experts: int, keep_layer_inputs: bool = False) -> None:
-        self.num_experts = num_experts
-        self.keep_layer_inputs = keep_layer_inputs
-        self.iterations: dict[str, dict[int, TracedIteration]] = {}
-        self.layer_ids: list[int] = []
-
-    def __call__(self, ctx) -> None:  # ctx: services.engine.step_context.StepContext
-        import torch
-
-        from services.engine.step_records import step_records
-
-        rec = step_records(ctx)
-        self.layer_ids = rec.layers
-        selected = inputs = None
-        if self.keep_layer_inputs:
-            selected = torch.stack([ctx.selected_experts[lay] for lay in rec.layers], 1).cpu().numpy()  # [T, L, k]
-            inputs = torch.stack([ctx.layer_inputs[lay] for lay in rec.layers], 1).to(torch.float16).cpu().numpy()
-        for i, (rid, iteration) in enumerate(zip(ctx.request_ids, ctx.iterations)):
-            n = int(rec.num_tokens[i])
-            it = TracedIteration(rid, int(iteration), rec.probs[i], rec.counts[i], rec.embeddings[i], num_tokens=n)
-            if inputs is not None:
-                s = slice(rec.token_offsets[i], rec.token_offsets[i + 1])
-                it.layer_inputs = inputs[s]
-                it.token_experts = selected[s].astype(np.uint8)
-            # A preempted request recomputes its prefix: the later record of an iteration replaces the earlier.
-            self.iterations.setdefault(rid, {})[int(iteration)] = it
-
-    def requests(self, order: list[str]) -> list[RequestTrace]:
-        out = []
-        for rid in order:
-            its = self.iterations.get(rid, {})
-            out.append(RequestTrace(rid, [its[i] for i in sorted(its)], "engine"))
-        return out
-
-
 def read_prompts(path: str, limit: int | None = None) -> list[str]:
     """Prompts from jsonl (GSM8K `question`, HumanEval `prompt`, or {"prompt": ...}) or a text file (one a line)."""
     prompts: list[str] = []
@@ -235,6 +186,7 @@ def collect_traces(model: str, prompts: list[str], max_tokens: int = 32, batch: 
     from services.engine.config import EngineConfig
     from services.engine.llm_engine import LLMEngine
     from services.engine.sampling_params import SamplingParams
+    from services.engine.trace_recorder import TraceRecorder
 
     engine = LLMEngine(EngineConfig(model=model, max_num_seqs=batch))
     try:

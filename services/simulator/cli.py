@@ -20,7 +20,7 @@ def _budgets(text: str) -> list[float] | None:
 
 
 def _calibration() -> int:
-    from services.bench.report import markdown_table
+    from services.common.report import markdown_table
     from services.simulator.calibration import MISMATCHES, all_figures
 
     print(
@@ -38,7 +38,7 @@ def _engine_check(model_dir: str, json_path: str | None) -> int:
     """The engine-agreement test's comparison, as a command (the README's figures)."""
     import dataclasses
 
-    from services.bench.report import markdown_table, run_header, write_json
+    from services.common.report import markdown_table, run_header, write_json
     from services.simulator.engine_agreement import compare_with_engine
 
     if not os.path.isfile(os.path.join(model_dir, "config.json")):

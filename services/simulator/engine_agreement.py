@@ -21,7 +21,8 @@ from services.engine.offload.link import expert_compute_seconds
 from services.engine.offload.policies import get_policy
 from services.engine.offload.routing_trace import RoutingTrace
 from services.engine.sampling_params import SamplingParams
-from services.predictor.traces import TraceRecorder, TraceSet, model_fingerprint
+from services.engine.trace_recorder import TraceRecorder
+from services.predictor.traces import TraceSet, model_fingerprint
 from services.simulator.hardware import MeasuredCost
 from services.simulator.model_specs import spec_from_model_dir
 from services.simulator.sim import simulate

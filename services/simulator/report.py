@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from services.bench.report import markdown_table, write_json
+from services.common.report import markdown_table, write_json
 
 HEADERS = (
     "policy",
