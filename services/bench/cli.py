@@ -90,6 +90,24 @@ def _online(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quant(args: argparse.Namespace) -> int:
+    from services.bench.quant_bench import run_quant_bench
+
+    _require_model(args.model)
+    dtypes = [d for d in args.expert_dtypes.split(",") if d]
+    if not dtypes or any(d not in ("auto", "bf16", "int8", "int4") for d in dtypes):
+        raise ValueError(f"--expert-dtypes: comma-separated auto, bf16, int8, int4; got {args.expert_dtypes!r}")
+    groups = _numbers(args.group_sizes, int)
+    if any(g not in (32, 64, 128) for g in groups):
+        raise ValueError(f"--group-sizes must be among 32, 64, 128; got {args.group_sizes!r}")
+    if args.prompts < 1 or args.new_tokens < 1 or args.prompt_len < 1:
+        raise ValueError("--prompts, --new-tokens and --prompt-len must be >= 1")
+    for row in run_quant_bench(args.model, dtypes, groups, args.json, args.prompts, args.new_tokens,
+                               args.prompt_len):
+        print(row)
+    return 0
+
+
 def _all(args: argparse.Namespace) -> int:
     from services.bench.suite import run_all
 
@@ -174,6 +192,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     hints.add_argument("--interval-ms", type=float, default=5.0, help="decode step period")
     hints.add_argument("--json", default="bench/results/hints.json")
     hints.set_defaults(func=_hints)
+
+    quant = kinds.add_parser("quant", help="int8/int4 experts: validation perplexity and greedy agreement")
+    quant.add_argument("--model", default="models/demo-moe")
+    quant.add_argument("--expert-dtypes", default="auto,bf16,int8,int4", help="first one is the reference")
+    quant.add_argument("--group-sizes", default="128,64,32", help="int4 group sizes (int8 is per row)")
+    quant.add_argument("--prompts", type=int, default=20)
+    quant.add_argument("--new-tokens", type=int, default=32)
+    quant.add_argument("--prompt-len", type=int, default=32, help="tokens of each prompt (cut from the split)")
+    quant.add_argument("--json", default="bench/results/quant.json")
+    quant.set_defaults(func=_quant)
 
     suite = kinds.add_parser("all", help="every benchmark, then bench/results/REPORT.md")
     suite.add_argument("--model", default="models/demo-moe")

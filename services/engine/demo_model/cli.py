@@ -82,13 +82,11 @@ def run_build(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_stats(args: argparse.Namespace) -> int:
-    """Rebuild the validation split recorded at build time and recompute the statistics."""
+def recorded_split(model_dir: Path) -> tuple[list, dict]:
+    """The validation documents recorded at build time (rebuilt deterministically) and the build settings."""
     from .corpus import build_corpus, resolve_prompts_dir
-    from .stats import STATS_FILE, format_table, stats_for_dir
     from .train import BUILD_FILE
 
-    model_dir: Path = args.model
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"no model in {model_dir} (config.json missing)")
     info_path = model_dir / BUILD_FILE
@@ -108,10 +106,16 @@ def run_stats(args: argparse.Namespace) -> int:
             "warning: validation split differs from the one recorded at build time (other Python?)",
             file=sys.stderr,
         )
-    settings = info.get("settings", {})
-    stats = stats_for_dir(
-        model_dir, corpus.val, settings.get("seq_len", 256), settings.get("eval_windows", 64)
-    )
+    return corpus.val, info.get("settings", {})
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    """Rebuild the validation split recorded at build time and recompute the statistics."""
+    from .stats import STATS_FILE, format_table, stats_for_dir
+
+    model_dir: Path = args.model
+    val, settings = recorded_split(model_dir)
+    stats = stats_for_dir(model_dir, val, settings.get("seq_len", 256), settings.get("eval_windows", 64))
     print(format_table(stats))
     print(f"wrote {model_dir / STATS_FILE}")
     return 0

@@ -9,7 +9,6 @@ import torch
 from transformers import PretrainedConfig
 
 from services.engine.expert_provider import ExpertProvider, ExpertWeights, ResidentExpertProvider
-from services.engine.models.checkpoint import Checkpoint
 from services.engine.models.model import MoECausalLM
 from services.engine.models.spec import ModelSpec, load_hf_config, rope_inv_freq, spec_from_config
 from services.engine.models.weights import (
@@ -19,6 +18,7 @@ from services.engine.models.weights import (
     load_non_expert_weights,
 )
 from services.engine.offload.host_store import ExpertLayout
+from services.engine.quant.checkpoint import open_checkpoint
 from services.engine.quant.layout import QuantizedExpertLayout
 from services.engine.quant.packed import QuantizedExpertWeights
 
@@ -58,6 +58,11 @@ def _place(
     return layout.views(flat)
 
 
+def _quantization_config(hf_config: PretrainedConfig) -> dict | None:
+    qc = getattr(hf_config, "quantization_config", None)
+    return qc if qc is None or isinstance(qc, dict) else qc.to_dict()
+
+
 def load_model(
     model_dir: str,
     dtype: str | torch.dtype = "auto",
@@ -68,12 +73,7 @@ def load_model(
     """Non-expert weights go to `device`; experts come from `make_provider`'s provider (default: resident)."""
     hf_config = load_hf_config(model_dir)
     spec = spec_from_config(hf_config)
-    ckpt = Checkpoint(model_dir)
-    if any(name.endswith("weight_scale_inv") for name in ckpt.names()):
-        # Reading these as plain weights would silently drop the block scales.
-        raise ValueError(
-            f"{model_dir} holds FP8 block-quantised weights (DeepSeek-V3's release); convert to bf16"
-        )
+    ckpt = open_checkpoint(model_dir, _quantization_config(hf_config))
     if isinstance(dtype, torch.dtype):
         torch_dtype = dtype
     elif dtype == "auto":

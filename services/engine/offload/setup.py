@@ -110,7 +110,7 @@ def build_expert_provider(
 ) -> ExpertProvider:
     from services.engine.models.loader import load_resident_experts
 
-    layout = config_expert_layout(config, spec, reader.dtype)
+    layout = config_expert_layout(config, spec, reader.dtype, reader.ckpt)
     settings = OffloadSettings.from_config(config, spec, reader.dtype, layout.numel * layout.dtype.itemsize)
     if settings.policy.name == "resident":
         return load_resident_experts(reader, spec, layout)

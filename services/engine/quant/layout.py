@@ -88,7 +88,11 @@ def expert_layout(
     return QuantizedExpertLayout(hidden, intermediate, QuantScheme(int(expert_dtype[3:]), group_size), device)
 
 
-def config_expert_layout(config, spec, run_dtype: torch.dtype) -> ExpertLayout | QuantizedExpertLayout:
-    """The layout an EngineConfig's --expert-dtype / --expert-group-size ask for."""
-    return expert_layout(spec.hidden_size, spec.moe_intermediate_size, config.expert_dtype,
-                         config.expert_group_size, run_dtype, config.device)
+def config_expert_layout(config, spec, run_dtype: torch.dtype, ckpt: object = None) -> ExpertLayout | QuantizedExpertLayout:
+    """The layout an EngineConfig's --expert-dtype / --expert-group-size ask for; `auto` on a quantized
+    checkpoint keeps its bit width (int4 for GPTQ/AWQ/int4 compressed-tensors, int8 for FP8) and group size."""
+    dtype, group = config.expert_dtype, config.expert_group_size
+    quant = getattr(ckpt, "quant", None)
+    if dtype == "auto" and quant is not None:
+        dtype, group = quant.expert_dtype, quant.expert_group_size
+    return expert_layout(spec.hidden_size, spec.moe_intermediate_size, dtype, group, run_dtype, config.device)
