@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
-from services.engine.errors import ContextLengthExceededError, InvalidRequestError
+from services.engine.errors import InvalidRequestError
 from services.engine.isolation import StepIsolator
 from services.engine.model_runner import ModelRunner
 from services.engine.models.loader import load_model
@@ -24,7 +24,7 @@ from services.engine.offload.settings import PredictorSettings
 from services.engine.offload.setup import build_expert_provider
 from services.engine.output_processor import RequestStream, process_token
 from services.engine.outputs import RequestOutput
-from services.engine.sampling_params import SamplingParams, is_valid_utf8
+from services.engine.sampling_params import SamplingParams, check_context_length, is_valid_utf8
 from services.engine.scheduler import Scheduler
 from services.engine.sequence import Sequence
 
@@ -122,19 +122,13 @@ class LLMEngine:
         ids = self.tokenize(prompt)
         if not ids:
             raise InvalidRequestError("prompt tokenizes to zero tokens")
-        total = len(ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ContextLengthExceededError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{total} tokens ({len(ids)} in the prompt, {params.max_tokens} in the completion). "
-                "Please reduce the prompt or max_tokens."
-            )
+        check_context_length(len(ids), params.max_tokens, self.max_model_len)
         if len(ids) > self.config.max_num_batched_tokens:
             raise InvalidRequestError(
                 f"prompt of {len(ids)} tokens exceeds max_num_batched_tokens={self.config.max_num_batched_tokens}"
             )
         seq = Sequence(request_id, ids, params, self.config.block_size)
-        blocks = math.ceil(total / self.config.block_size)
+        blocks = math.ceil((len(ids) + params.max_tokens) / self.config.block_size)
         if blocks > self.block_manager.num_blocks:
             raise InvalidRequestError(
                 f"request needs {blocks} KV blocks but the cache holds {self.block_manager.num_blocks}"

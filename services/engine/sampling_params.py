@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from services.engine.errors import InvalidRequestError
+from services.engine.errors import ContextLengthExceededError, InvalidRequestError
 
 # The proto's integer types (engine.proto): every path into the engine must fit them.
 INT32_MAX = 2**31 - 1
@@ -26,13 +26,28 @@ def _check_int(name: str, value: object, low: int, high: int) -> None:
         raise InvalidRequestError(f"{name} must be an integer in [{low}, {high}], got {value!r}", name)
 
 
+DEFAULT_MAX_TOKENS = 16  # completions without max_tokens (OpenAI's legacy default); the engine's default
+
+
+def check_context_length(prompt_len: int, max_tokens: int, max_model_len: int, param: str | None = None) -> None:
+    """The one context-length check (engine admission, gateway pre-check), in OpenAI's wording."""
+    total = prompt_len + max_tokens
+    if total > max_model_len:
+        raise ContextLengthExceededError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{total} tokens ({prompt_len} in the prompt, {max_tokens} in the completion). "
+            "Please reduce the prompt or max_tokens.",
+            param,
+        )
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int = DEFAULT_MAX_TOKENS
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)

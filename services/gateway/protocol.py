@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.engine.sampling_params import INT32_MAX, INT64_MAX, INT64_MIN
+from services.engine.sampling_params import DEFAULT_MAX_TOKENS, INT32_MAX, INT64_MAX, INT64_MIN
 
 # Fields of the OpenAI API (or of vLLM) that we do not implement. A request naming any of them with a
 # value other than its neutral default gets a 400 that lists them: never silently ignored.
@@ -90,7 +90,7 @@ class ChatCompletionRequest(_GenerationRequest):
 
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX)  # the legacy completions API defaults to 16
+    max_tokens: int | None = Field(default=DEFAULT_MAX_TOKENS, ge=1, le=INT32_MAX)  # legacy completions: 16
 
 
 def unsupported_fields(request: BaseModel, prefix: str = "") -> list[str]:

@@ -6,6 +6,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from services.engine.sampling_params import DEFAULT_MAX_TOKENS
 from services.gateway.errors import APIError, bad_request
 from services.gateway.protocol import CompletionRequest, usage
 from services.gateway.serving_engine import SSE_DONE, OpenAIServing, new_request_id, now_s, sse
@@ -57,7 +58,7 @@ class OpenAIServingCompletion:
                     raise bad_request("prompt must not be empty", param=param)
                 max_tokens = serving.check_context(len(prompt), max_tokens, param)
             jobs += [
-                (prompt, serving.sampling_params(request, max_tokens or 16, i)) for i in range(request.n)
+                (prompt, serving.sampling_params(request, max_tokens or DEFAULT_MAX_TOKENS, i)) for i in range(request.n)
             ]
         request_id = new_request_id("cmpl")
         outputs = await serving.start(request_id, jobs, model, arrival, "prompt")

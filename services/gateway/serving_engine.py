@@ -8,8 +8,8 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from services.engine.errors import InvalidRequestError
-from services.engine.sampling_params import SamplingParams
+from services.engine.errors import ContextLengthExceededError, InvalidRequestError
+from services.engine.sampling_params import SamplingParams, check_context_length
 from services.gateway.engine_pool import EnginePool
 from services.gateway.errors import APIError, bad_request, context_length_exceeded, no_healthy_engine
 from services.gateway.protocol import MAX_STOP_SEQUENCES, unsupported_fields
@@ -124,14 +124,11 @@ class OpenAIServing:
                 raise no_healthy_engine("the model's context length is not known yet")
             return max_tokens
         if max_tokens is None:
-            max_tokens = max_len - prompt_len
-        if prompt_len + max_tokens > max_len or max_tokens < 1:
-            raise context_length_exceeded(
-                f"This model's maximum context length is {max_len} tokens. However, you requested "
-                f"{prompt_len + max(max_tokens, 1)} tokens ({prompt_len} in the prompt, {max(max_tokens, 1)} "
-                "in the completion). Please reduce the prompt or max_tokens.",
-                param,
-            )
+            max_tokens = max_len - prompt_len  # the rest of the window (< 1 when the prompt fills it)
+        try:
+            check_context_length(prompt_len, max(max_tokens, 1), max_len, param)
+        except ContextLengthExceededError as exc:
+            raise context_length_exceeded(str(exc), param) from None
         return max_tokens
 
     async def start(

@@ -136,6 +136,12 @@ def _mla_weights(reader: WeightReader, a: str) -> MlaWeights:
     )
 
 
+def load_router(reader: WeightReader, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A MoE layer's router weight [num_experts, hidden] and DeepSeek-V3's selection bias (fp32) or None."""
+    moe = _moe_prefix(reader.ckpt, layer)
+    return reader.tensor(f"{moe}.gate.weight"), reader.optional(f"{moe}.gate.e_score_correction_bias", torch.float32)
+
+
 def load_non_expert_weights(reader: WeightReader, spec: ModelSpec) -> NonExpertWeights:
     read_attention = _mla_weights if spec.mla else _attention_weights
     layers = []
@@ -144,8 +150,7 @@ def load_non_expert_weights(reader: WeightReader, spec: ModelSpec) -> NonExpertW
         router = router_bias = dense = shared = shared_gate = None
         if spec.moe_layers[i]:
             moe = _moe_prefix(reader.ckpt, i)
-            router = reader.tensor(f"{moe}.gate.weight")
-            router_bias = reader.optional(f"{moe}.gate.e_score_correction_bias", dtype=torch.float32)
+            router, router_bias = load_router(reader, i)
             if spec.shared_expert_intermediate_size:
                 # Qwen2-MoE names one gated "shared_expert"; DeepSeek fuses its n_shared_experts into one MLP.
                 name = "shared_expert" if spec.model_type == "qwen2_moe" else "shared_experts"

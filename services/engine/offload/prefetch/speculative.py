@@ -1,15 +1,11 @@
-"""Skip-gate speculation (Mixtral-Offloading, ProMoE): apply layer l+t's router to layer l's hidden state.
-
-The residual stream changes slowly across layers, so the future router applied to today's hidden state
-guesses the future experts well (84-94% top-2 hit one layer ahead on the trained demo model).
-"""
+"""Skip-gate speculation (Mixtral-Offloading, ProMoE): apply layer l+t's router to layer l's hidden state
+(services/engine/models/skip_gate.py) and prefetch what it picks."""
 
 from __future__ import annotations
 
 import torch
 
-from services.engine.models.attention import rms_norm
-from services.engine.models.router import route
+from services.engine.models.skip_gate import SkipGate
 from services.engine.models.spec import ModelSpec
 from services.engine.models.weights import NonExpertWeights
 from services.engine.offload.prefetch.base import GuessTracker, Prefetcher, PrefetchRequest, targets
@@ -24,7 +20,7 @@ class SpeculativePrefetcher(Prefetcher):
         min_confidence: float = 0.0,
     ) -> None:
         self.spec = spec
-        self.weights = weights
+        self.gate = SkipGate.from_weights(spec, weights)
         self.distance = distance
         self.top_k = spec.top_k + extra  # extra > 0 trades link bandwidth for recall
         # Guesses below this probability for every token are left out: on a link-bound decode a wrong
@@ -37,9 +33,7 @@ class SpeculativePrefetcher(Prefetcher):
     def guess(self, layer: int, target: int, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """(experts [tokens, k], scores [tokens, experts]) `target`'s router would pick from `layer`'s input:
         the family's own rule (softmax or DeepSeek's grouped top-k), widened by `extra` experts if asked."""
-        w = self.weights.layers[target]
-        x = rms_norm(ctx.layer_inputs[layer], w.post_attention_norm, self.spec.rms_norm_eps)
-        routing = route(self.spec, x, w.router, w.router_bias)  # type: ignore[arg-type]
+        routing = self.gate.route(ctx.layer_inputs[layer], target)
         if self.top_k == self.spec.top_k:
             return routing.experts, routing.probs
         return torch.topk(routing.probs, self.top_k, dim=-1).indices, routing.probs
