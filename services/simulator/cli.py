@@ -22,14 +22,16 @@ def _budgets(text: str) -> list[float] | None:
 def _calibration() -> int:
     from services.common.report import markdown_table
     from services.simulator.calibration import MISMATCHES, all_figures
+    from services.simulator.host_calibration import HYBRID_NOT_REPRODUCED, hybrid_figures
 
     print(
         markdown_table(
             ("source", "figure", "published", "simulated", "unit", "error"),
-            [(f.source, f.what, f.published, f.simulated, f.unit, f"{f.error:+.1%}") for f in all_figures()],
+            [(f.source, f.what, f.published, f.simulated, f.unit, f"{f.error:+.1%}")
+             for f in all_figures() + hybrid_figures()],
         )
     )
-    for what, why in MISMATCHES.items():
+    for what, why in {**MISMATCHES, **HYBRID_NOT_REPRODUCED}.items():
         print(f"- not reproduced: {what}: {why}")
     return 0
 
@@ -76,6 +78,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from services.engine.offload.policies import get_policy
     from services.predictor.traces import load_traces
     from services.simulator.hardware import RooflineCost, get_hardware
+    from services.simulator.host import get_host
     from services.simulator.model_specs import get_model_spec
     from services.simulator.report import skipped_lines, table, write_report
     from services.simulator.sweep import default_budgets_gb, run_sweep
@@ -97,6 +100,7 @@ def _simulate(args: argparse.Namespace) -> int:
         )
     spec = get_model_spec(args.model_spec)
     hw = get_hardware(args.hardware)
+    host = get_host(args.host)
     if args.link_gbps is not None:
         hw = hw.with_link(args.link_gbps)
     policies = [get_policy(name) for name in parse_policies(args.policies)]
@@ -110,7 +114,7 @@ def _simulate(args: argparse.Namespace) -> int:
         workload,
         policies,
         budgets,
-        RooflineCost(spec, hw),
+        RooflineCost(spec, hw, host),
         hw,
         args.prefetch_distance,
         args.hint_latency_ms / 1e3,
@@ -120,7 +124,8 @@ def _simulate(args: argparse.Namespace) -> int:
     )
     trace = workload.trace
     setting = (
-        f"{spec.description}; {hw.description}, host link {hw.link_gbps:g} GB/s. Trace {trace.source}: "
+        f"{spec.description}; {hw.description}, host link {hw.link_gbps:g} GB/s; host {host.description}. "
+        f"Trace {trace.source}: "
         f"{len(trace.requests)} requests, {workload.decode_tokens} decode tokens, batch {args.batch}, "
         f"prefetch distance {args.prefetch_distance or 'per policy'}, hint latency {args.hint_latency_ms:g} ms. "
         f"GB = 1e9 bytes; TTFT '-' = the trace has no prefill. Simulated {dt.date.today().isoformat()}."
@@ -129,6 +134,7 @@ def _simulate(args: argparse.Namespace) -> int:
         "model_spec": spec.name,
         "hardware": hw.name,
         "link_gbps": hw.link_gbps,
+        "host": host.name,
         "trace": args.trace,
         "batch": args.batch,
         "decode_tokens": workload.decode_tokens,
@@ -148,6 +154,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("simulate", help="trace-driven offload simulation of a real-size MoE model")
     p.add_argument("--model-spec", default="mixtral-8x7b", help="a registered spec or a model directory")
     p.add_argument("--hardware", default="a5000-pcie4", help="GPU and host link profile")
+    p.add_argument("--host", default="ddr4-dual",
+                   help="host CPU/DRAM profile for host-computed experts: ddr4-dual, ddr4-quad, ddr5-dual, xeon-amx")
     p.add_argument("--trace", help="routing trace: ours (hintserve trace collect) or a real one in ../shared")
     p.add_argument("--policies", default="all", help="comma-separated offload policies, or all")
     p.add_argument(

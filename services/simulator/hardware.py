@@ -38,6 +38,7 @@ class HardwareProfile:
 HARDWARE: dict[str, HardwareProfile] = {
     h.name: h
     for h in (
+        HardwareProfile("2080-pcie3", "NVIDIA RTX 2080 8 GB, PCIe 3.0 x16", 12.0, 448.0, 40.3, 8.0),
         HardwareProfile("a5000-pcie4", "NVIDIA RTX A5000 24 GB, PCIe 4.0 x16", 25.0, 768.0, 111.1, 24.0),
         HardwareProfile("3090-pcie4", "NVIDIA RTX 3090 24 GB, PCIe 4.0 x16", 25.0, 936.0, 71.0, 24.0),
         HardwareProfile("4090-pcie4", "NVIDIA RTX 4090 24 GB, PCIe 4.0 x16", 25.0, 1008.0, 165.2, 24.0),

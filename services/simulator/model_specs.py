@@ -23,6 +23,10 @@ FP16 = Precision("fp16", 16.0)
 FP32 = Precision("fp32", 32.0)
 # AWQ / GPTQ 4-bit with group size 128: one fp16 scale and one packed 4-bit zero point per 128 weights.
 INT4_G128 = Precision("4-bit g128", 4.0 + (16 + 4) / 128)
+# llama.cpp Q4_K_M: Q4_K (4.5 bits) for most matrices, Q6_K (6.56) for some down projections: about 4.85 on average.
+Q4_K_M = Precision("Q4_K_M", 4.85)
+# gpt-oss MXFP4: 4-bit values with one 8-bit scale per 32.
+MXFP4 = Precision("MXFP4", 4.0 + 8 / 32)
 
 
 def gqa_attention(
@@ -217,6 +221,15 @@ MODEL_SPECS: dict[str, MoEModelSpec] = {s.name: s for s in (
                  num_layers=27, attention=mla_attention(2048, 16, 512, 128, 64, 128), **_DEEPSEEK),
     MoEModelSpec("deepseek-moe-16b", "DeepSeek-MoE-16B (ProMoE's DS-1), fp16: layer 0 dense, 64 experts top-6 + 2 "
                  "shared", num_layers=28, attention=gqa_attention(2048, 16, 16, 128), **_DEEPSEEK),
+    MoEModelSpec("qwen3-30b-a3b", "Qwen3-30B-A3B, fp16: 128 experts top-8", hidden_size=2048, num_layers=48,
+                 num_experts=128, top_k=8, moe_intermediate_size=768, vocab_size=151936,
+                 attention=gqa_attention(2048, 32, 4, 128)),
+    MoEModelSpec("qwen3-30b-a3b-q4", "Qwen3-30B-A3B, llama.cpp Q4_K_M (embeddings fp16 here)", hidden_size=2048,
+                 num_layers=48, num_experts=128, top_k=8, moe_intermediate_size=768, vocab_size=151936,
+                 attention=gqa_attention(2048, 32, 4, 128), expert_precision=Q4_K_M, linear_precision=Q4_K_M),
+    MoEModelSpec("gpt-oss-20b", "gpt-oss-20b: 32 experts top-4 in MXFP4, attention bf16", hidden_size=2880,
+                 num_layers=24, num_experts=32, top_k=4, moe_intermediate_size=2880, vocab_size=201088,
+                 attention=gqa_attention(2880, 64, 8, 64, qkv_bias=True, o_bias=True), expert_precision=MXFP4),
     MoEModelSpec("phi-3.5-moe", "Phi-3.5-MoE-instruct, fp16: 16 experts top-2", hidden_size=4096, num_layers=32,
                  num_experts=16, top_k=2, moe_intermediate_size=6400, vocab_size=32064,
                  attention=gqa_attention(4096, 32, 8, 128, qkv_bias=True, o_bias=True)),

@@ -11,21 +11,26 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from services.common.messages import Shape
 from services.engine.offload.expert_cache import ExpertCache
 from services.engine.offload.host_store import ExpertLayout
+from services.engine.offload.hybrid_provider import HybridExpertProvider
+from services.engine.offload.hybrid_setup import hybrid_slots, is_hybrid, make_placement, pinned_experts
 from services.engine.offload.policies import OffloadPolicy
 from services.engine.offload.prefetch.hints import HintPrefetcher, HintStats
 from services.engine.offload.provider import OffloadedExpertProvider
+from services.engine.offload.routing_trace import RoutingTrace
 from services.engine.offload.settings import OffloadSettings
 from services.engine.offload.setup import make_eviction, make_prefetchers
 from services.engine.offload.stats import OffloadStats
 from services.engine.step_context import StepContext
+from services.simulator.hardware import CostModel
 from services.simulator.hint_link import SimPredictorLink
+from services.simulator.host_timeline import SimHostExecutor, placement_costs
 from services.simulator.timeline import SimClock, SimLink, SimTransferEngine
 from services.simulator.workload import Workload
 
@@ -53,6 +58,9 @@ class SimStore:
     def __post_init__(self) -> None:
         self.buffers = _PlaceholderBuffers()
 
+    def weights(self, key: tuple[int, int]) -> None:
+        return None  # the simulated host executor prices a job by its tokens only
+
 
 @dataclass
 class SimOffload:
@@ -60,6 +68,7 @@ class SimOffload:
     transfers: SimTransferEngine
     hint_link: SimPredictorLink | None
     # Who watches the simulated steps, as ModelRunner's observers watch the engine's.
+    host: SimHostExecutor | None = None  # hybrid policies: the host's timeline
     step_observers: list[Callable[[StepContext], None]] = field(default_factory=list)
     layer_observers: dict[int, list[Callable[[int, StepContext], None]]] = field(default_factory=dict)
 
@@ -111,6 +120,7 @@ def build_offload(
     prefetch_distance: int | None = None,
     hint_latency_s: float = 2e-3,
     eviction: str | None = None,
+    cost: CostModel | None = None,
 ) -> SimOffload:
     spec = workload.spec
     # The predictor link is ours (SimPredictorLink), so the engine's is off: no predictor settings.
@@ -125,16 +135,28 @@ def build_offload(
     router_spec, weights = (
         _router_model(workload.trace.model) if "speculative" in policy.prefetchers else (spec, None)
     )
+    pinned = pinned_experts(policy, spec, slots, RoutingTrace.load(trace_path) if policy.needs_trace else None)
+    if is_hybrid(policy):
+        settings = replace(settings, slots=hybrid_slots(policy, 0 if policy.pinned == "nothing" else slots, pinned))
+        slots = settings.slots
     stats_type = HintStats if "hints" in policy.prefetchers else OffloadStats
     stats = stats_type(spec.num_layers, slots_total=slots, expert_bytes=spec.expert_bytes)
     evict = make_eviction(settings, spec)  # MoEModelSpec is an ExpertGeometry
     prefetchers = make_prefetchers(settings, router_spec, weights, stats)  # type: ignore[arg-type]
     transfers = SimTransferEngine(SimLink(link_bytes_per_second), stats, clock, spec.expert_chunk_bytes)
-    expert_cache = ExpertCache(slots, PLACEHOLDER_LAYOUT, torch.float32, "cpu", evict)
+    expert_cache = ExpertCache(settings.slots, PLACEHOLDER_LAYOUT, torch.float32, "cpu", evict)
     store = SimStore(spec.expert_bytes)  # duck-types HostExpertStore
-    provider = OffloadedExpertProvider(
-        store, expert_cache, transfers, prefetchers, policy.rules, stats, stream_slots=spec.top_k
-    )  # type: ignore[arg-type]
+    parts = (store, expert_cache, transfers, prefetchers, policy.rules, stats)
+    host = None
+    if not is_hybrid(policy):
+        provider = OffloadedExpertProvider(*parts, stream_slots=spec.top_k)  # type: ignore[arg-type]
+    else:
+        assert cost is not None, "hybrid policies price the host: pass the cost model"
+        host = SimHostExecutor(cost, clock, stats)
+        provider = HybridExpertProvider(
+            *parts, stream_slots=spec.top_k, executor=host, pinned=pinned, prefetch_floor=policy.prefetch_floor,
+            placement=make_placement(policy, placement_costs(cost, spec.expert_bytes)),
+        )
     hint_link = None
     hints = [p for p in prefetchers if isinstance(p, HintPrefetcher)]
     if hints and policy.predictor:
@@ -142,7 +164,7 @@ def build_offload(
         shape = Shape(spec.name, spec.num_layers, spec.num_experts, spec.top_k, int(embedding))
         first_moe = spec.moe_layers.index(True)
         hint_link = SimPredictorLink(hints[0], policy.predictor, shape, clock, hint_latency_s, (first_moe,))
-    offload = SimOffload(provider, transfers, hint_link)
+    offload = SimOffload(provider, transfers, hint_link, host)
     if hint_link is not None:
         hint_link.attach(offload)
     return offload

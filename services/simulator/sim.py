@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from services.engine.offload.policies import OffloadPolicy
 from services.engine.step_context import Phase
 from services.simulator.hardware import CostModel
+from services.simulator.host_timeline import token_slice
 from services.simulator.policy_driver import SimOffload, build_offload
 from services.simulator.timeline import SimClock
 from services.simulator.workload import SimStep, Workload
@@ -38,6 +39,8 @@ class SimResult:
     peak_expert_slots_in_use: int
     prefetch_precision: float
     decode_tokens: int
+    host_experts_per_token: float = 0.0  # decode: experts computed on the host (hybrid policies)
+    host_busy_share: float = 0.0  # of the decode time, the host computed experts this much
     note: str = ""
 
 
@@ -49,6 +52,8 @@ class Snapshot:
     hits: int
     accesses: int
     bytes_moved: int
+    host_experts: int = 0
+    host_busy: float = 0.0
 
     @classmethod
     def take(cls, clock: SimClock, offload: SimOffload | None) -> Snapshot:
@@ -57,7 +62,8 @@ class Snapshot:
         s = offload.provider.stats
         hits = sum(s.hits) + sum(s.inflight_hits)
         busy = offload.transfers.busy_seconds
-        return cls(clock.now, clock.blocked, busy, hits, s.accesses, s.bytes_demand + s.bytes_prefetch)
+        return cls(clock.now, clock.blocked, busy, hits, s.accesses, s.bytes_demand + s.bytes_prefetch,
+                   s.host_experts, s.host_busy_seconds)
 
 
 @dataclass
@@ -70,6 +76,8 @@ class PhaseTotals:
     bytes_moved: int = 0
     blocked_seconds: float = 0.0
     link_busy_seconds: float = 0.0
+    host_experts: int = 0
+    host_busy_seconds: float = 0.0
 
     def add(self, tokens: int, a: Snapshot, b: Snapshot) -> None:
         self.steps += 1
@@ -80,6 +88,8 @@ class PhaseTotals:
         self.bytes_moved += b.bytes_moved - a.bytes_moved
         self.blocked_seconds += b.blocked - a.blocked
         self.link_busy_seconds += b.link_busy - a.link_busy
+        self.host_experts += b.host_experts - a.host_experts
+        self.host_busy_seconds += b.host_busy - a.host_busy
 
     def hit_rate(self, resident: bool) -> float | None:
         if not self.steps:
@@ -146,6 +156,7 @@ def simulate(
             prefetch_distance,
             hint_latency_s,
             eviction,
+            cost,
         )
     log = RunLog(peak_slots=slots if resident else 0)
     for step in workload.steps:
@@ -184,10 +195,14 @@ def _run_step(
             continue
         if offload.hint_link is not None:  # type: ignore[union-attr]
             offload.hint_link.deliver()  # type: ignore[union-attr]
-        for expert in provider.begin_layer(layer, list(tokens_of), ctx, list(tokens_of.values())).device:
+        plan = provider.begin_layer(layer, list(tokens_of), ctx, list(tokens_of.values()))
+        on_host = [provider.host_forward(layer, e, token_slice(tokens_of[e])) for e in plan.host]
+        for expert in plan.device:
             log.peak_slots = max(log.peak_slots, provider.cache.num_occupied)
             provider.get(layer, expert)  # stalls the clock until the expert has landed
             clock.now += cost.expert_seconds(tokens_of[expert])
+        for job in on_host:
+            offload.host.gather(job)  # type: ignore[union-attr]  # stalls until the host has finished it
         log.peak_slots = max(log.peak_slots, provider.cache.num_occupied)
         provider.end_layer(layer, ctx)
     if provider is not None:
@@ -224,4 +239,6 @@ def _result(
         peak_expert_slots_in_use=stats.peak_slots_in_use if stats else 0,
         prefetch_precision=stats.prefetch_precision() if stats else 0.0,
         decode_tokens=decode.tokens,
+        host_experts_per_token=decode.host_experts / per_token,
+        host_busy_share=decode.host_busy_seconds / decode.seconds if decode.seconds else 0.0,
     )

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from tqdm import tqdm
 
+from services.engine.offload.hybrid_setup import is_hybrid
 from services.engine.offload.policies import OffloadPolicy
 from services.engine.offload.settings import GB, resolve_slots
 from services.simulator.hardware import CostModel, HardwareProfile
@@ -49,8 +50,14 @@ def run_sweep(
     """(rows, not simulable): one row per policy and budget (`resident` once, with every expert)."""
     spec = workload.spec
     runnable, skipped = [], []
+    notes: dict[str, str] = {}
     for policy in policies:
         reason = not_simulable(policy, workload)
+        if reason and is_hybrid(policy) and "speculative" in policy.prefetchers:
+            # Placement is what a hybrid policy is about: run it on its other predictors, and say so.
+            policy = replace(policy, prefetchers=tuple(p for p in policy.prefetchers if p != "speculative"))
+            reason = not_simulable(policy, workload)
+            notes[policy.name] = "without its skip-gate (the trace has no hidden states)"
         if reason:
             skipped.append({"policy": policy.name, "reason": reason})
         else:
@@ -66,6 +73,7 @@ def run_sweep(
             workload, policy, cost, slots, path, prefetch_distance, hint_latency_s, eviction, warmup_steps
         )
         row = asdict(result)
+        row["note"] = notes.get(policy.name, "")
         if hw is not None and result.peak_memory_gb > hw.memory_gb:
             row["note"] = f"needs {result.peak_memory_gb:.1f} GB; {hw.name} has {hw.memory_gb:g} GB"
         rows.append(row)

@@ -41,7 +41,8 @@ class PlacementCosts:
     @classmethod
     def fit(cls, device: tuple[float, float], host: tuple[float, float], link: float) -> PlacementCosts:
         """From times at 1 and PROBE_TOKENS tokens; costs never fall with more tokens."""
-        slope = lambda t: max(0.0, (t[1] - t[0]) / (PROBE_TOKENS - 1))  # noqa: E731
+        # Never falling with more tokens, never more than one token's price per further token.
+        slope = lambda t: min(t[0], max(0.0, (t[1] - t[0]) / (PROBE_TOKENS - 1)))  # noqa: E731
         return cls(device[0], slope(device), host[0], slope(host), link)
 
 
@@ -52,7 +53,11 @@ def measure_costs(
     """`host_ratio` None on CUDA: the host is measured; on CPU the emulated host is that ratio (default
     DEFAULT_HOST_RATIO) times the device."""
     if device == "cpu":
-        dev = tuple(expert_compute_seconds(hidden, intermediate, dtype, 50, n) for n in (1, PROBE_TOKENS))
+        # The best of a few medians: a busy shared machine must not inflate the emulated host's price.
+        dev = tuple(
+            min(expert_compute_seconds(hidden, intermediate, dtype, 30, n) for _ in range(3))
+            for n in (1, PROBE_TOKENS)
+        )
         ratio = host_ratio or DEFAULT_HOST_RATIO
         host = (ratio * dev[0], ratio * dev[1])
     else:

@@ -18,14 +18,17 @@ from services.engine.step_context import StepContext
 class Placement(ABC):
     @abstractmethod
     def split(
-        self, misses: list[int], tokens: dict[int, int], ctx: StepContext, host_backlog: float
+        self, misses: list[int], tokens: dict[int, int], ctx: StepContext, host_backlog: float,
+        link_backlog: float = 0.0,
     ) -> tuple[list[int], list[int]]:
-        """(misses to fetch, misses to compute on the host)."""
+        """(misses to fetch, misses to compute on the host); backlogs: seconds of work each side holds that
+        a new job would wait behind."""
 
 
 class HostPlacement(Placement):
     def split(
-        self, misses: list[int], tokens: dict[int, int], ctx: StepContext, host_backlog: float
+        self, misses: list[int], tokens: dict[int, int], ctx: StepContext, host_backlog: float,
+        link_backlog: float = 0.0,
     ) -> tuple[list[int], list[int]]:
         return [], misses
 
@@ -36,12 +39,13 @@ class CostPlacement(Placement):
         self.stream_prefill = stream_prefill
 
     def split(
-        self, misses: list[int], tokens: dict[int, int], ctx: StepContext, host_backlog: float
+        self, misses: list[int], tokens: dict[int, int], ctx: StepContext, host_backlog: float,
+        link_backlog: float = 0.0,
     ) -> tuple[list[int], list[int]]:
         if ctx.is_prefill and self.stream_prefill:
             return misses, []
         c = self.costs
-        link_done, host_done = 0.0, host_backlog
+        link_done, host_done = link_backlog, host_backlog
         fetch, host = [], []
         for expert in sorted(misses, key=lambda e: -tokens[e]):
             n = tokens[expert]

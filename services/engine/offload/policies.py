@@ -23,6 +23,7 @@ class OffloadPolicy:
     min_confidence: float = 0.0  # skip-gate: fetch only experts some token's guess gives this probability
     placement: str = "device"  # misses: device (fetch all) | host (compute all there) | cost (Fiddler's rule)
     pinned: str = ""  # experts on the device for good: nothing | late-layers | hot (see offload/hybrid_setup.py)
+    prefetch_floor: float = 0.0  # hybrid: prefetch only guesses this likely; the rest stay on the host
 
 
 POLICIES: dict[str, OffloadPolicy] = {
@@ -65,7 +66,7 @@ POLICIES: dict[str, OffloadPolicy] = {
                       "the next iteration, next-use eviction that admits only prefetches worth their victim; "
                       "misses computed on the host when that beats fetching (predictions decide what moves)",
                       eviction="next-use", prefetchers=("speculative", "hints"), predictor="expert-map",
-                      placement="cost"),
+                      placement="cost", prefetch_floor=0.8),
     )
 }
 

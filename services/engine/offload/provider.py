@@ -89,8 +89,9 @@ class OffloadedExpertProvider(ExpertProvider):
             else:
                 inflight.append(expert)
                 self.stats.inflight_hits[layer] += 1
-                self.transfers.promote(slot.transfer)  # type: ignore[arg-type]
-        misses, host = self._place_misses(layer, experts, tokens, misses, ctx)
+        misses, inflight, host = self._place_misses(layer, experts, tokens, misses, inflight, ctx)
+        for expert in inflight:
+            self.transfers.promote(self.cache.lookup((layer, expert)).transfer)  # type: ignore[union-attr,arg-type]
         self._pending = deque(misses)
         self._demanded.clear()
         if self.rules.early_demand:
@@ -149,10 +150,12 @@ class OffloadedExpertProvider(ExpertProvider):
         self.transfers.shutdown()
 
     def _place_misses(
-        self, layer: int, experts: list[int], tokens: list[int] | None, misses: list[int], ctx: StepContext
-    ) -> tuple[list[int], list[int]]:
-        """(misses to fetch, misses to compute on the host): transfer-only policies fetch every one."""
-        return misses, []
+        self, layer: int, experts: list[int], tokens: list[int] | None, misses: list[int], inflight: list[int],
+        ctx: StepContext,
+    ) -> tuple[list[int], list[int], list[int]]:
+        """(misses to fetch, in-flight experts to wait for, experts to compute on the host): transfer-only
+        policies fetch and wait for every one."""
+        return misses, inflight, []
 
     # ---- demand ----
     def _pin(self, slot: Slot) -> None:

@@ -141,6 +141,7 @@ def build_expert_provider(
     log.info("placement costs (ms): device %.3f, host %.3f, link %.3f per expert and token",
              costs.device(1) * 1e3, costs.host(1) * 1e3, costs.link * 1e3)
     return HybridExpertProvider(
-        *parts, stream_slots=spec.top_k, fence=fence, pinned=pinned, placement=make_placement(settings.policy, costs),
+        *parts, stream_slots=spec.top_k, fence=fence, pinned=pinned, prefetch_floor=settings.policy.prefetch_floor,
+        placement=make_placement(settings.policy, costs),
         executor=HostExecutor(settings.host_threads, stats, emulated),
     )

@@ -1,0 +1,88 @@
+"""The simulator's host timeline: exact sums for host-only placement, Fiddler's rule both ways, host
+profiles, the hybrid calibration figures, and the hybrid policies on the real Mixtral trace."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.engine.offload.policies import get_policy
+from services.simulator.calibration import uniform_trace
+from services.simulator.hardware import MeasuredCost
+from services.simulator.host import get_host
+from services.simulator.host_calibration import hybrid_figures
+from services.simulator.model_specs import MODEL_SPECS, MoEModelSpec, gqa_attention
+from services.simulator.sim import simulate
+from services.simulator.workload import Workload
+from tests.test_simulator import _mixtral_trace
+
+SMALL = MoEModelSpec("small", "4 layers, 8 experts, top-2", 64, 4, 8, 2, 128, 100, gqa_attention(64, 4, 4, 16))
+
+
+def _run(tmp_path, policy: str, cost: MeasuredCost, slots: int = 8):
+    workload = Workload(uniform_trace(SMALL, 20, seed=3), SMALL)
+    path = str(tmp_path / "routing.json")
+    workload.routing_trace().save(path)
+    return simulate(workload, get_policy(policy), cost, slots, path)
+
+
+def test_cpu_experts_tpot_is_the_exact_host_sum(tmp_path) -> None:
+    cost = MeasuredCost(SMALL.expert_bytes / 0.004, layer_s=0.001, expert_s=0.0002, host_ratio=10.0)
+    r = _run(tmp_path, "cpu-experts", cost)
+    # Every expert on the host, one after the other; the device waits for both of each layer.
+    assert r.tpot_ms == pytest.approx(4 * (0.001 + 2 * 10 * 0.0002) * 1e3)
+    assert r.gb_moved_per_token == 0 and r.host_experts_per_token == pytest.approx(8)
+    assert r.host_busy_share == pytest.approx(4 * 2 * 0.002 / (4 * 0.005))
+
+
+def test_fiddler_rule_picks_the_faster_side(tmp_path) -> None:
+    slow_link = MeasuredCost(SMALL.expert_bytes / 0.05, layer_s=0.001, expert_s=0.0002, host_ratio=5.0)
+    r = _run(tmp_path, "fiddler", slow_link)
+    assert r.host_experts_per_token > 0 and r.bytes_demand == 0
+    slow_host = MeasuredCost(SMALL.expert_bytes / 0.001, layer_s=0.001, expert_s=0.0002, host_ratio=500.0)
+    r = _run(tmp_path, "fiddler", slow_host)
+    assert r.host_experts_per_token == 0 and r.bytes_demand > 0
+
+
+def test_host_profiles() -> None:
+    ddr4 = get_host("ddr4-dual")
+    spec = MODEL_SPECS["mixtral-8x7b"]
+    # Decode is memory-bound on the host: 352 MB at 75% of 51.2 GB/s.
+    assert ddr4.expert_seconds(spec.expert_bytes, spec.expert_params, 1) == pytest.approx(9.185e-3, rel=1e-3)
+    assert get_host("xeon-amx").expert_seconds(spec.expert_bytes, spec.expert_params, 1) < 2e-3
+    with pytest.raises(ValueError, match="unknown host"):
+        get_host("nope")
+
+
+def test_new_specs_match_their_published_sizes() -> None:
+    qwen3, oss = MODEL_SPECS["qwen3-30b-a3b"], MODEL_SPECS["gpt-oss-20b"]
+    assert qwen3.total_params / 1e9 == pytest.approx(30.5, rel=0.01)
+    assert qwen3.active_params / 1e9 == pytest.approx(3.3, rel=0.02)
+    assert oss.total_params / 1e9 == pytest.approx(20.9, rel=0.01)
+    # gpt-oss counts active parameters without the input embedding.
+    assert (oss.active_params - oss.embedding_params) / 1e9 == pytest.approx(3.6, rel=0.02)
+
+
+def test_hybrid_calibration_figures() -> None:
+    llama, fiddler_dual, fiddler_quad = hybrid_figures()
+    assert abs(llama.error) < 0.15
+    assert fiddler_quad.simulated > fiddler_quad.published  # Fiddler's "over 3 tok/s" on a server host
+    assert fiddler_dual.simulated < fiddler_quad.simulated
+
+
+def test_hybrid_policies_on_the_mixtral_trace(tmp_path) -> None:
+    from services.simulator.hardware import RooflineCost, get_hardware
+    from services.simulator.sweep import run_sweep
+
+    spec = MODEL_SPECS["mixtral-8x7b"]
+    trace = _mixtral_trace()
+    trace.requests = trace.requests[:1]
+    workload = Workload(trace, spec)
+    names = ("lru", "cpu-experts", "ktransformers", "hintserve")
+    rows, skipped = run_sweep(workload, [get_policy(n) for n in names], [19.7],
+                              RooflineCost(spec, get_hardware("a5000-pcie4")), progress=False)
+    tpot = {r["policy"]: r["tpot_ms"] for r in rows}
+    assert not skipped and set(tpot) == set(names)
+    assert tpot["cpu-experts"] < tpot["lru"]  # computing where the weights are beats moving them
+    assert tpot["ktransformers"] < tpot["cpu-experts"]
+    assert tpot["hintserve"] <= tpot["cpu-experts"]
+    assert "skip-gate" in next(r["note"] for r in rows if r["policy"] == "hintserve")
