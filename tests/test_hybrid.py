@@ -121,3 +121,18 @@ def test_bad_host_knobs_exit_2(tiny_mixtral_dir, capsys, args, message) -> None:
     out, err = capsys.readouterr()
     lines = err.strip().splitlines()
     assert out == "" and len(lines) == 1 and message in lines[0], err
+
+
+@pytest.mark.parametrize("policy", ["cpu-experts", "n-cpu-moe"])
+def test_host_executor_computes_quantized_experts(tiny_mixtral_dir, policy: str) -> None:
+    # expert_forward is the one entry point: int8 experts compute on the host exactly as on the device.
+    resident = LLMEngine(EngineConfig(model=tiny_mixtral_dir, expert_dtype="int8"))
+    expected = resident.generate(_prompts(), GREEDY)
+    resident.close()
+    engine = LLMEngine(EngineConfig(model=tiny_mixtral_dir, expert_dtype="int8", offload_policy=policy,
+                                    link_ratio=100.0, host_ratio=2.0))
+    try:
+        assert engine.generate(_prompts(), GREEDY) == expected
+        assert engine.model.experts.stats.host_experts > 0
+    finally:
+        engine.close()
