@@ -1,15 +1,17 @@
-"""DuoServe's popularity vector and inter-layer affinity matrix (seed 000, eq. 2-3), learned online.
+"""DuoServe's decode prefetch from popularity and inter-layer affinity (seed 000, eq. 2-3), learned online.
 
-popularity[l, e]: how often layer l routes to e. affinity[l, i, j]: how often a token that chose i at layer
-l chooses j at the next MoE layer. The next layer's score for expert j is the affinity row mass from this
-step's selected experts plus a popularity prior; the top experts are prefetched. No offline training: the
-counts accumulate from the engine's own steps (the trained ExpertMLP lives in the predictor service).
+The counts (services/engine/offload/popularity_affinity.py) grow from every token of the engine's own steps:
+popularity[l, e] how often layer l routes to e, affinity[l, i, j] how often a token that chose i at layer l
+chooses j at the next MoE layer. The next layer's score for expert j is the affinity row mass from this
+step's selected experts plus a popularity prior; the top experts are prefetched. No offline training (the
+trained ExpertMLP lives in the predictor service).
 """
 
 from __future__ import annotations
 
 import torch
 
+from services.engine.offload.popularity_affinity import PopularityAffinity
 from services.engine.offload.prefetch.base import Prefetcher, PrefetchRequest, targets
 from services.engine.step_context import StepContext
 
@@ -22,18 +24,20 @@ class AffinityPrefetcher(Prefetcher):
         self.moe_layers = moe_layers
         self.num_experts = num_experts
         self.count = top_k + extra
-        self.popularity = torch.ones(layers, num_experts)  # Laplace prior: uniform before any data
-        self.affinity = torch.ones(layers, num_experts, num_experts)
+        # One link per model layer: to its next MoE layer (the last wraps to the next step's first).
+        self.stats = PopularityAffinity(layers, num_experts, num_links=layers)
         self.next_moe_layer = {
             layer: target for layer in range(layers) for _, target, _ in targets(layer, 1, moe_layers)
         }
 
     def scores(self, layer: int, selected: torch.Tensor) -> torch.Tensor:
         """Probability per expert of the next MoE layer given this layer's selections [tokens, k]."""
-        rows = self.affinity[layer][selected.flatten()]
+        counts = torch.from_numpy(self.stats.aff_counts[layer]).float()  # integers: exact in float32
+        rows = counts[selected.flatten()]
         rows = rows / rows.sum(dim=-1, keepdim=True)
         target = self.next_moe_layer[layer]
-        prior = self.popularity[target] / self.popularity[target].sum()
+        popularity = torch.from_numpy(self.stats.pop_counts[target]).float()
+        prior = popularity / popularity.sum()
         return 0.9 * rows.mean(dim=0) + 0.1 * prior
 
     def plan(self, layer: int, ctx: StepContext) -> list[PrefetchRequest]:
@@ -49,10 +53,10 @@ class AffinityPrefetcher(Prefetcher):
         E = self.num_experts
         for layer, experts in ctx.selected_experts.items():
             experts = experts.cpu()
-            self.popularity[layer] += torch.bincount(experts.flatten(), minlength=E).float()
+            self.stats.add_selections(torch.bincount(experts.flatten(), minlength=E).numpy(), layer)
             target = self.next_moe_layer[layer]
             following = ctx.selected_experts.get(target)
             if following is None or target <= layer:
                 continue
             pairs = experts[:, :, None] * E + following.cpu()[:, None, :]
-            self.affinity[layer] += torch.bincount(pairs.flatten(), minlength=E * E).float().view(E, E)
+            self.stats.add_pairs(torch.bincount(pairs.flatten(), minlength=E * E).view(E, E).numpy(), layer)
