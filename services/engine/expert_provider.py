@@ -5,10 +5,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from services.engine.step_context import StepContext
+
+if TYPE_CHECKING:
+    from services.engine.models.fused_moe import StackedExperts
 
 
 @dataclass
@@ -57,6 +61,10 @@ class ExpertProvider(ABC):
     def end_step(self, ctx: StepContext) -> None:  # noqa: B027 - optional hook
         """Called after the last layer of a step."""
 
+    def stacked_experts(self, layer: int) -> StackedExperts | None:
+        """The layer's experts stacked for the fused path, when they all stay resident and dense; else None."""
+        return None
+
     def engine_stats(self) -> dict[str, float]:
         """Counters for the engine's Stats RPC (offload hits, bytes moved, ...)."""
         return {}
@@ -73,8 +81,11 @@ class ExpertProvider(ABC):
 class ResidentExpertProvider(ExpertProvider):
     """Every expert lives on the compute device: no offload (the speed bound)."""
 
-    def __init__(self, experts: list[list[ExpertWeights] | None]) -> None:
+    def __init__(
+        self, experts: list[list[ExpertWeights] | None], stacked: list[StackedExperts | None] | None = None
+    ) -> None:
         self._experts = experts  # indexed [layer][expert]; None for dense layers
+        self._stacked = stacked or [None] * len(experts)  # views of the same memory as `experts` where set
 
     def begin_layer(
         self, layer: int, experts: list[int], ctx: StepContext, tokens: list[int] | None = None
@@ -83,6 +94,9 @@ class ResidentExpertProvider(ExpertProvider):
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         return self._experts[layer][expert]  # type: ignore[index]
+
+    def stacked_experts(self, layer: int) -> StackedExperts | None:
+        return self._stacked[layer]
 
     @property
     def device_bytes(self) -> int:

@@ -9,6 +9,7 @@ import torch
 from transformers import PretrainedConfig
 
 from services.engine.expert_provider import ExpertProvider, ExpertWeights, ResidentExpertProvider
+from services.engine.models.fused_moe import StackedExperts, grouped_mm_supported, stackable
 from services.engine.models.model import MoECausalLM
 from services.engine.models.spec import ModelSpec, load_hf_config, rope_inv_freq, spec_from_config
 from services.engine.models.weights import (
@@ -35,17 +36,29 @@ class LoadedModel:
 
 
 def load_resident_experts(
-    reader: WeightReader, spec: ModelSpec, layout: ExpertLayout | QuantizedExpertLayout | None = None
+    reader: WeightReader,
+    spec: ModelSpec,
+    layout: ExpertLayout | QuantizedExpertLayout | None = None,
+    fused: bool = True,
 ) -> ResidentExpertProvider:
-    """Every expert on the device, as read or (with a quantized `layout`) packed into one buffer each."""
-    experts = []
+    """Every expert on the device, as read or (with a quantized `layout`) packed into one buffer each; dense
+    experts are stacked for the fused MoE path (the per-expert weights become views: one copy either way)."""
+    experts: list[list[ExpertWeights | QuantizedExpertWeights] | None] = []
+    stacks: list[StackedExperts | None] = []
     for layer in range(spec.num_layers):
         if not spec.moe_layers[layer]:
             experts.append(None)
+            stacks.append(None)
             continue
         load = expert_loader(reader, spec, layer)
-        experts.append([_place(load(e, reader.device), layout, reader.device) for e in range(spec.num_experts)])
-    return ResidentExpertProvider(experts)
+        layer_experts = [_place(load(e, reader.device), layout, reader.device) for e in range(spec.num_experts)]
+        stacked = None
+        if fused and stackable(layer_experts) and grouped_mm_supported(reader.device, layer_experts[0].gate_up.dtype):
+            stacked = StackedExperts.stack(layer_experts)  # type: ignore[arg-type]
+            layer_experts = [stacked.expert(e) for e in range(spec.num_experts)]
+        experts.append(layer_experts)
+        stacks.append(stacked)
+    return ResidentExpertProvider(experts, stacks)  # type: ignore[arg-type]
 
 
 def _place(

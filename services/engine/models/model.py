@@ -14,6 +14,7 @@ from services.engine.models.attention import (
     rms_norm,
     write_kv,
 )
+from services.engine.models.fused_moe import fused_moe_forward
 from services.engine.models.mla_attention import mla_attention
 from services.engine.models.moe import moe_forward, swiglu
 from services.engine.models.router import route
@@ -121,7 +122,11 @@ class MoECausalLM:
         if layer.dense_mlp is not None:
             return swiglu(x, layer.dense_mlp.gate_up, layer.dense_mlp.down)
         routing = route(self.spec, x, layer.router, layer.router_bias)  # type: ignore[arg-type]
-        out = moe_forward(x, i, routing, self.experts, ctx)
+        stacked = self.experts.stacked_experts(i)
+        if stacked is not None:
+            out = fused_moe_forward(x, i, routing, stacked, ctx)
+        else:
+            out = moe_forward(x, i, routing, self.experts, ctx)
         if layer.shared_expert is not None:
             shared = swiglu(x, layer.shared_expert.gate_up, layer.shared_expert.down)
             if layer.shared_expert_gate is not None:  # Qwen2-MoE gates its shared expert per token

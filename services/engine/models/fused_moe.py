@@ -1,0 +1,85 @@
+"""The fused MoE path for resident dense experts: one sort by expert, two grouped GEMMs, no Python loop.
+
+The per-expert path (`moe.moe_forward` calling `expert_forward` once per active expert) stays for offload
+providers and non-dense weight formats; this path runs when a layer's experts are stacked in memory
+(`ExpertProvider.stacked_experts`). It never reads a tensor back to the host, so it is also what a CUDA
+graph can capture.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from services.engine.expert_provider import ExpertWeights
+from services.engine.models.router import Routing
+from services.engine.step_context import StepContext
+
+
+@dataclass
+class StackedExperts:
+    """One layer's experts in the layout grouped GEMMs read: x[rows, H] @ w13[e] and act[rows, I] @ w2[e]."""
+
+    w13: torch.Tensor  # [experts, hidden, 2 * intermediate]: gate columns then up columns
+    w2: torch.Tensor  # [experts, intermediate, hidden]
+
+    @classmethod
+    def stack(cls, experts: list[ExpertWeights]) -> StackedExperts:
+        return cls(
+            torch.stack([w.gate_up.t() for w in experts]).contiguous(),
+            torch.stack([w.down.t() for w in experts]).contiguous(),
+        )
+
+    def expert(self, e: int) -> ExpertWeights:
+        """Expert `e` as the per-expert path wants it: views into the stack, no second copy of the weights."""
+        return ExpertWeights(self.w13[e].t(), self.w2[e].t())
+
+
+def stackable(experts: list[ExpertWeights]) -> bool:
+    """Plain dense experts of one shape and dtype (quantized or subclassed formats keep the per-expert path)."""
+    first = experts[0]
+    return all(
+        type(w) is ExpertWeights
+        and w.gate_up.shape == first.gate_up.shape
+        and w.down.shape == first.down.shape
+        and w.gate_up.dtype == first.gate_up.dtype == w.down.dtype
+        and w.gate_up.dtype.is_floating_point
+        for w in experts
+    )
+
+
+@functools.cache
+def grouped_mm_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` runs here (CPU: every float dtype; CUDA: bf16 on sm90+ only)."""
+    x = torch.zeros(4, 16, dtype=dtype, device=device)
+    w = torch.zeros(2, 16, 16, dtype=dtype, device=device)
+    try:
+        torch._grouped_mm(x, w, offs=torch.tensor([1, 4], dtype=torch.int32, device=device))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def fused_moe_forward(
+    x: torch.Tensor, layer: int, routing: Routing, stacked: StackedExperts, ctx: StepContext
+) -> torch.Tensor:
+    """x: [tokens, hidden] -> [tokens, hidden]; the same sum as `moe_forward`, computed in grouped GEMMs."""
+    weights, experts, probs = routing
+    ctx.router_probs[layer] = probs
+    ctx.selected_experts[layer] = experts
+    ctx.layer_routed(layer)
+    tokens, top_k = experts.shape
+    flat_experts = experts.flatten()
+    order = torch.argsort(flat_experts, stable=True)  # assignments grouped by expert, tokens ascending
+    ends = torch.cumsum(torch.bincount(flat_experts, minlength=stacked.w13.shape[0]), 0, dtype=torch.int32)
+    rows = x[order // top_k].to(stacked.w13.dtype)  # bf16 experts under fp32 activations compute in bf16
+    gate_up = torch._grouped_mm(rows, stacked.w13, offs=ends)
+    gate, up = gate_up.chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, stacked.w2, offs=ends)
+    y = (y * weights.flatten()[order, None]).to(x.dtype)  # weighted as moe_forward does (fp32 weights promote)
+    # Back to (token, k) order, then each token's k outputs summed (index_add_ is slower on CPU).
+    unsorted = torch.empty_like(y).index_copy_(0, order, y)
+    return unsorted.view(tokens, top_k, -1).sum(dim=1)
