@@ -30,7 +30,9 @@ def cached_tokenizer(model_dir: str) -> Any:
 
 @asynccontextmanager
 async def started_engine(model_dir: str, **config: Any) -> AsyncIterator[AsyncLLMEngine]:
-    engine = AsyncLLMEngine(EngineConfig(model=model_dir, **config))
+    # The core on a thread of the test process: starts in a blink, and faults injected here reach it (the
+    # core process itself is tested in test_engine_core.py and test_engine_process.py).
+    engine = AsyncLLMEngine(EngineConfig(model=model_dir, **config), core_in_thread=True)
     await engine.start()
     try:
         yield engine

@@ -1,56 +1,142 @@
-"""The asyncio face of the engine: a dedicated thread runs the step loop; requests stream through queues."""
+"""The asyncio frontend of the engine: tokenises and validates, streams text, and drives the engine core.
+
+The core (services/engine/engine_core.py) runs LLMEngine's step loop in its own process, so the model never
+waits on HTTP, SSE or gRPC work for the GIL; requests go to it and token ids come back over two pipes, and
+text (detokenisation, stop strings) is made here. `core_in_thread=True` hosts the same core loop on a thread
+of this process instead: for tests and tools that want no second process, never for serving.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
+import multiprocessing
 import threading
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from transformers import AutoTokenizer
 
 from services.engine.config import EngineConfig
+from services.engine.engine_core import CoreOutput, engine_core_main, run_engine_core
 from services.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
-from services.engine.llm_engine import LLMEngine
+from services.engine.input_processor import InputProcessor, apply_chat_template, has_chat_template
+from services.engine.output_processor import RequestStream, text_delta
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
-from services.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
-_STOP = object()
+_SHUTDOWN_GRACE_S = 30.0
+
+
+@dataclass
+class _Request:
+    serial: int
+    queue: asyncio.Queue
+    text: RequestStream
+    stop: list[str]
+    finished: bool = False
 
 
 class AsyncLLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
-        self.engine = LLMEngine(config)
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", seq) | ("abort", (id, serial)) | _STOP
-        # request id -> (serial of the sequence the stream belongs to, its queue)
-        self._streams: dict[str, tuple[int, asyncio.Queue]] = {}
+    def __init__(self, config: EngineConfig, core_in_thread: bool = False) -> None:
+        config.validate()
+        self.config = config
+        self.core_in_thread = core_in_thread
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
+        self.input_processor: InputProcessor | None = None
+        self._requests: dict[str, _Request] = {}
+        self._model_info: dict[str, object] = {}
+        self._stats: dict[str, float] = {}
+        self._core: multiprocessing.process.BaseProcess | threading.Thread | None = None
+        self._to_core = None
+        self._from_core = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._dead: asyncio.Event | None = None  # set when the loop fails: the process should exit
+        self._error: EngineDeadError | None = None
+        self._dead: asyncio.Event | None = None  # set when the core fails: the serving process should exit
 
     # ---- lifecycle ----
     async def start(self) -> None:
-        if self._thread is not None:
+        """Starts the core and waits until its model is loaded; raises ValueError (a bad model or setting) or
+        RuntimeError if it cannot load."""
+        if self._core is not None:
             return
         self._loop = asyncio.get_running_loop()
         self._dead = asyncio.Event()
-        self._thread = threading.Thread(target=self._run, name="hintserve-engine-loop", daemon=True)
-        self._thread.start()
+        from_core, core_out = multiprocessing.Pipe(duplex=False)
+        core_in, to_core = multiprocessing.Pipe(duplex=False)
+        if self.core_in_thread:
+            self._core = threading.Thread(
+                target=run_engine_core, args=(self.config, core_in, core_out), name="hintserve-engine-core",
+                daemon=True,
+            )
+        else:
+            ctx = multiprocessing.get_context("spawn")  # fork would copy this process's threads and locks
+            self._core = ctx.Process(
+                target=engine_core_main, args=(self.config, core_in, core_out), name="hintserve-engine-core",
+                daemon=True,
+            )
+        self._core.start()
+        if not self.core_in_thread:  # the child holds its own ends: EOF on ours means it exited
+            core_in.close()
+            core_out.close()
+        self._to_core, self._from_core = to_core, from_core
+        try:
+            ready = await asyncio.to_thread(from_core.recv)
+        except EOFError:
+            ready = ("dead", "engine core process exited while loading the model", False)
+        if ready[0] != "ready":
+            await self._reap()
+            raise (ValueError if ready[2] else RuntimeError)(ready[1])
+        limits, self._model_info, self._stats = ready[1:]
+        self.input_processor = InputProcessor(self.tokenizer, limits)
+        self._loop.add_reader(from_core.fileno(), self._on_core_message)
 
     async def shutdown(self) -> None:
-        if self._thread is None:
+        """Stops the core in order (in-flight requests end with finish_reason "abort") and reaps it."""
+        if self._core is None:
             return
-        self._inbox.put(_STOP)
-        await asyncio.to_thread(self._thread.join)
-        self._thread = None
-        self.engine.close()
+        self._stop_reading()
+        try:
+            self._to_core.send(("stop",))  # type: ignore[union-attr]
+        except (BrokenPipeError, OSError):
+            pass
+        for request_id, req in list(self._requests.items()):
+            self._finish_locally(request_id, req, "abort")
+        await self._reap()
+
+    async def _reap(self) -> None:
+        core, self._core = self._core, None
+        if core is not None:
+            await asyncio.to_thread(core.join, _SHUTDOWN_GRACE_S)
+            if isinstance(core, multiprocessing.process.BaseProcess) and core.is_alive():
+                log.warning("engine core did not stop in %.0f s; terminating it", _SHUTDOWN_GRACE_S)
+                core.terminate()
+                await asyncio.to_thread(core.join, 5.0)
+                if core.is_alive():
+                    core.kill()
+                    await asyncio.to_thread(core.join)
+        for conn in (self._to_core, self._from_core):
+            if conn is not None:
+                conn.close()
+        self._to_core = self._from_core = None
+
+    @property
+    def core_pid(self) -> int | None:
+        """The engine core process's id (None: not started, or the core runs on a thread here)."""
+        return getattr(self._core, "pid", None)
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._error is None
+        return self._core is not None and self._from_core is not None and self._error is None
+
+    async def wait_dead(self) -> BaseException:
+        """Returns the core's failure once it has stopped for good (the serving process then exits)."""
+        assert self._dead is not None, "engine not started"
+        await self._dead.wait()
+        assert self._error is not None
+        return self._error
 
     # ---- requests ----
     async def generate(
@@ -58,122 +144,115 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Streams the request's deltas; closing the iterator early aborts the request."""
         if self._error is not None:
-            raise EngineDeadError(f"engine loop stopped: {self._error}")
-        if self._thread is None:
+            raise self._error
+        if self.input_processor is None or self._core is None:
             raise EngineDeadError("engine not started")
-        if request_id in self._streams:
+        if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
-        seq = self.engine.make_sequence(request_id, prompt, params)
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (seq.serial, stream)
-        self._inbox.put(("add", seq))
-        finished = False
+        seq = self.input_processor.make_sequence(request_id, prompt, params)
+        req = _Request(seq.serial, asyncio.Queue(), RequestStream(seq, self.tokenizer), list(params.stop))
+        self._requests[request_id] = req
+        self._send(("add", request_id, seq.serial, seq.token_ids, params))
         try:
             while True:
-                item = await stream.get()
-                if isinstance(item, InvalidRequestError):
-                    raise item
+                item = await req.queue.get()
                 if isinstance(item, BaseException):
-                    raise EngineDeadError(f"engine loop failed: {item}") from item
+                    raise item
                 if item.finish_reason == "error":
-                    finished = True  # the engine already dropped it: nothing to abort
                     raise RequestFailedError(item.error)
                 yield item
                 if item.finished:
-                    finished = True
                     return
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self._inbox.put(("abort", (request_id, seq.serial)))
+            if self._requests.get(request_id) is req:
+                del self._requests[request_id]
+            if not req.finished and self._error is None:
+                self._send(("abort", request_id, req.serial, "abort"))
 
     def abort(self, request_id: str) -> bool:
         """Aborts an in-flight request; its stream ends with finish_reason "abort"."""
-        entry = self._streams.get(request_id)
-        if entry is None:
+        req = self._requests.get(request_id)
+        if req is None or req.finished:
             return False
-        self._inbox.put(("abort", (request_id, entry[0])))
+        self._send(("abort", request_id, req.serial, "abort"))
         return True
 
-    # ---- the loop thread ----
-    def _run(self) -> None:
-        engine = self.engine
+    def _send(self, msg: tuple) -> None:
         try:
-            while True:
-                block = not engine.has_unfinished()
-                while True:
-                    try:
-                        item = self._inbox.get(block=block)
-                    except queue.Empty:
-                        break
-                    if item is _STOP:
-                        self._abort_all()
-                        return
-                    self._handle(item)
-                    block = False
-                if engine.has_unfinished():
-                    outputs = engine.step()
-                    if outputs:
-                        self._loop.call_soon_threadsafe(self._dispatch, outputs)  # type: ignore[union-attr]
-        except Exception as exc:  # a bug or device failure: fail every in-flight request, loudly
-            log.exception("engine loop failed")
-            self._error = exc
-            self._loop.call_soon_threadsafe(self._fail_all, exc)  # type: ignore[union-attr]
+            self._to_core.send(msg)  # type: ignore[union-attr]
+        except (BrokenPipeError, OSError, AttributeError) as exc:
+            self._core_died(f"engine core is gone: {exc!r}")
+            raise self._error from exc  # type: ignore[misc]
 
-    def _handle(self, item: tuple[str, object]) -> None:
-        kind, payload = item
-        if kind == "add":
-            seq: Sequence = payload  # type: ignore[assignment]
-            try:
-                self.engine.add_sequence(seq)
-            except InvalidRequestError as exc:
-                self._loop.call_soon_threadsafe(self._deliver, seq.request_id, seq.serial, exc)  # type: ignore[union-attr]
-        elif kind == "abort":
-            out = self.engine.abort_request(*payload)  # type: ignore[misc]
-            if out is not None:  # delivered only if its stream is still open (serials must match)
-                self._loop.call_soon_threadsafe(self._dispatch, [out])  # type: ignore[union-attr]
+    # ---- what the core sends ----
+    def _on_core_message(self) -> None:
+        conn = self._from_core
+        try:
+            while conn is not None and conn.poll():
+                msg = conn.recv()
+                kind = msg[0]
+                if kind == "outputs":
+                    for out in msg[1]:
+                        self._on_output(out)
+                    if msg[2] is not None:
+                        self._stats = msg[2]
+                elif kind == "stats":
+                    self._stats = msg[1]
+                elif kind == "dead":
+                    self._core_died(msg[1])
+                    return
+        except (EOFError, OSError):
+            self._core_died("engine core process exited")
 
-    def _abort_all(self) -> None:
-        outputs = [self.engine.abort_request(rid) for rid in list(self.engine._streams)]
-        self._loop.call_soon_threadsafe(self._dispatch, [o for o in outputs if o])  # type: ignore[union-attr]
+    def _on_output(self, out: CoreOutput) -> None:
+        request_id, serial, token, prompt_tokens, completion_tokens, reason, error = out
+        req = self._requests.get(request_id)
+        if req is None or req.serial != serial or req.finished:
+            return  # a stream already closed (or reused under the same id): nothing waits for this
+        text = ""
+        if token is not None and reason != "error":
+            text, text_reason = text_delta(req.text, req.stop, token, reason)
+            if text_reason != reason:  # a stop string the core cannot see: end the request there
+                reason = text_reason
+                self._send(("abort", request_id, serial, "stop"))
+        req.finished = reason is not None
+        tokens = [] if token is None else [token]
+        req.queue.put_nowait(RequestOutput(
+            request_id, text, tokens, prompt_tokens, completion_tokens, req.finished, reason, serial, error=error
+        ))
 
-    # ---- event-loop side ----
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            self._deliver(out.request_id, out.seq_serial, out)
+    def _finish_locally(self, request_id: str, req: _Request, reason: str) -> None:
+        if not req.finished:
+            req.finished = True
+            req.queue.put_nowait(RequestOutput(request_id, "", [], 0, 0, True, reason, req.serial))
 
-    def _deliver(self, request_id: str, serial: int, item: object) -> None:
-        entry = self._streams.get(request_id)
-        if entry is not None and entry[0] == serial:
-            entry[1].put_nowait(item)
+    def _stop_reading(self) -> None:
+        if self._from_core is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._from_core.fileno())
 
-    def _fail_all(self, exc: BaseException) -> None:
-        for _, stream in self._streams.values():
-            stream.put_nowait(exc)
+    def _core_died(self, message: str) -> None:
+        if self._error is not None:
+            return
+        log.error("engine core failed: %s", message)
+        self._error = EngineDeadError(message)
+        self._stop_reading()
+        for req in self._requests.values():
+            req.finished = True
+            req.queue.put_nowait(self._error)
         if self._dead is not None:
             self._dead.set()
 
-    async def wait_dead(self) -> BaseException:
-        """Returns the loop's failure once it has stopped for good (the serving process then exits)."""
-        assert self._dead is not None, "engine not started"
-        await self._dead.wait()
-        assert self._error is not None
-        return self._error
-
     # ---- information ----
     def stats(self) -> dict[str, float]:
-        return self.engine.stats()
+        """The core's counters as of its last report (sent with outputs, and whenever it goes idle)."""
+        return dict(self._stats)
 
     def model_info(self) -> dict[str, object]:
-        return self.engine.model_info()
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+        return dict(self._model_info)
 
     @property
     def has_chat_template(self) -> bool:
-        return self.engine.has_chat_template
+        return has_chat_template(self.tokenizer)
 
     def apply_chat_template(self, messages: list[dict]) -> str:
-        return self.engine.apply_chat_template(messages)
+        return apply_chat_template(self.tokenizer, messages)

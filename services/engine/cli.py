@@ -93,11 +93,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return config
 
 
-def _load_engine(config: EngineConfig) -> Any:
+def _load_engine(config: EngineConfig, core_in_thread: bool = False) -> Any:
     # Imported here so `hintserve --help` and argument errors stay fast (no torch model code).
     from services.engine.async_engine import AsyncLLMEngine
 
-    return AsyncLLMEngine(config)
+    return AsyncLLMEngine(config, core_in_thread=core_in_thread)
 
 
 # --- hintserve engine ----------------------------------------------------------------------------
@@ -179,7 +179,7 @@ def run_generate(args: argparse.Namespace) -> int:
     )
     params.validate()  # before loading the model: bad flags fail fast (InvalidRequestError is a ValueError)
     config = engine_config(args)
-    engine = _load_engine(config)
+    engine = _load_engine(config, core_in_thread=True)  # offline, one request: no second process needed
     if args.chat and not engine.has_chat_template:
         raise ValueError(f"--chat: the tokenizer in {args.model} has no chat template")
     use_chat = engine.has_chat_template if args.chat is None else args.chat

@@ -15,6 +15,12 @@ from transformers import AutoTokenizer
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
 from services.engine.errors import InvalidRequestError
+from services.engine.input_processor import (
+    EngineLimits,
+    InputProcessor,
+    apply_chat_template,
+    has_chat_template,
+)
 from services.engine.isolation import StepIsolator
 from services.engine.model_runner import ModelRunner
 from services.engine.models.loader import load_model
@@ -24,12 +30,11 @@ from services.engine.offload.settings import PredictorSettings
 from services.engine.offload.setup import build_expert_provider
 from services.engine.output_processor import RequestStream, process_token
 from services.engine.outputs import RequestOutput
-from services.engine.sampling_params import SamplingParams, check_context_length, is_valid_utf8
+from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler
 from services.engine.sequence import Sequence
 
 _MAX_DEFAULT_CONTEXT = 4096
-MAX_REQUEST_ID_CHARS = 256  # the id is echoed in every streamed message: a long one would multiply
 _MAX_DEFAULT_KV_BYTES = 2 << 30
 
 
@@ -47,9 +52,11 @@ def _generation_eos_ids(model_dir: str) -> list[int]:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, detokenize: bool = True) -> None:
+        """`detokenize=False`: the engine core process, whose frontend turns tokens into text (and stop strings)."""
         config.validate()
         self.config = config
+        self.detokenize = detokenize
         self.tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
         model_positions = spec_from_config(load_hf_config(config.model)).max_position_embeddings
         self.max_model_len = config.max_model_len or min(model_positions, _MAX_DEFAULT_CONTEXT)
@@ -75,7 +82,15 @@ class LLMEngine:
         self.isolator = StepIsolator(self.runner.run)
         self._start_predictor_link(loaded.model.experts)
         self.model = loaded.model
-        self._streams: dict[str, tuple[Sequence, RequestStream]] = {}
+        self.limits = EngineLimits(
+            self.spec.vocab_size,
+            self.max_model_len,
+            config.max_num_batched_tokens,
+            config.block_size,
+            self.block_manager.num_blocks,
+        )
+        self.input_processor = InputProcessor(self.tokenizer, self.limits)
+        self._streams: dict[str, tuple[Sequence, RequestStream | None]] = {}
         self.counters: Counter[str] = Counter()
 
     def _start_predictor_link(self, experts: object) -> None:
@@ -96,49 +111,14 @@ class LLMEngine:
         return max(1, min(wanted, _MAX_DEFAULT_KV_BYTES // bytes_per_block))
 
     # ---- admission ----
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt must not be empty", "prompt")
-            if not is_valid_utf8(prompt):
-                raise InvalidRequestError("prompt must be valid UTF-8 (no lone surrogates)", "prompt")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        if not prompt:
-            raise InvalidRequestError("prompt token ids must not be empty")
-        vocab = self.spec.vocab_size
-        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}", "prompt")
-        return list(prompt)
-
     def make_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """Validates a request and builds its sequence; raises InvalidRequestError with a clear message."""
-        if len(request_id) > MAX_REQUEST_ID_CHARS:
-            raise InvalidRequestError(
-                f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}",
-                "request_id",
-            )
-        params.validate(self.spec.vocab_size)
-        ids = self.tokenize(prompt)
-        if not ids:
-            raise InvalidRequestError("prompt tokenizes to zero tokens")
-        check_context_length(len(ids), params.max_tokens, self.max_model_len)
-        if len(ids) > self.config.max_num_batched_tokens:
-            raise InvalidRequestError(
-                f"prompt of {len(ids)} tokens exceeds max_num_batched_tokens={self.config.max_num_batched_tokens}"
-            )
-        seq = Sequence(request_id, ids, params, self.config.block_size)
-        blocks = math.ceil((len(ids) + params.max_tokens) / self.config.block_size)
-        if blocks > self.block_manager.num_blocks:
-            raise InvalidRequestError(
-                f"request needs {blocks} KV blocks but the cache holds {self.block_manager.num_blocks}"
-            )
-        return seq
+        return self.input_processor.make_sequence(request_id, prompt, params)
 
     def add_sequence(self, seq: Sequence) -> None:
         if seq.request_id in self._streams:
             raise InvalidRequestError(f"request id {seq.request_id!r} is already in flight")
-        self._streams[seq.request_id] = (seq, RequestStream(seq, self.tokenizer))
+        self._streams[seq.request_id] = (seq, RequestStream(seq, self.tokenizer) if self.detokenize else None)
         self.scheduler.add(seq)
         self.counters["requests_received_total"] += 1
         self.counters["prompt_tokens_total"] += seq.num_prompt_tokens
@@ -148,17 +128,20 @@ class LLMEngine:
         self.add_sequence(seq)
         return seq
 
-    def abort_request(self, request_id: str, serial: int | None = None) -> RequestOutput | None:
-        """Aborts the in-flight request `request_id` (only its admission `serial`, if given)."""
+    def abort_request(
+        self, request_id: str, serial: int | None = None, reason: str = "abort"
+    ) -> RequestOutput | None:
+        """Aborts the in-flight request `request_id` (only its admission `serial`, if given); `reason` "stop":
+        the frontend found a stop string in the text."""
         entry = self._streams.get(request_id)
         if entry is None or (serial is not None and entry[0].serial != serial):
             return None
         del self._streams[request_id]
         seq, _ = entry
         self.scheduler.abort(request_id)
-        self.counters[_finished("abort")] += 1
+        self.counters[_finished(reason)] += 1
         return RequestOutput(
-            request_id, "", [], seq.num_prompt_tokens, seq.num_completion_tokens, True, "abort", seq.serial
+            request_id, "", [], seq.num_prompt_tokens, seq.num_completion_tokens, True, reason, seq.serial
         )
 
     def has_unfinished(self) -> bool:
@@ -275,9 +258,7 @@ class LLMEngine:
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(getattr(self.tokenizer, "chat_template", None))
+        return has_chat_template(self.tokenizer)
 
     def apply_chat_template(self, messages: list[dict]) -> str:
-        if not self.has_chat_template:
-            raise InvalidRequestError("this model's tokenizer has no chat template; use completions")
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return apply_chat_template(self.tokenizer, messages)

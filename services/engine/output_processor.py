@@ -16,7 +16,6 @@ class RequestStream:
         self.detokenizer = IncrementalDetokenizer(tokenizer, seq.token_ids[: seq.num_prompt_tokens])
         self.text = ""
         self.sent_chars = 0
-        self.sent_tokens = 0
         self.holdback = max((len(s) for s in seq.params.stop), default=1) - 1
 
 
@@ -30,27 +29,35 @@ def finish_reason_for(seq: Sequence, token_id: int, eos_ids: tuple[int, ...], ma
     return None
 
 
-def process_token(
-    seq: Sequence, stream: RequestStream, token_id: int, eos_ids: tuple[int, ...], max_model_len: int
-) -> tuple[RequestOutput, str | None]:
-    """Appends `token_id` to the request's text; returns the delta to stream and the finish reason, if any."""
-    reason = finish_reason_for(seq, token_id, eos_ids, max_model_len)
+def text_delta(stream: RequestStream, stop: list[str], token_id: int, reason: str | None) -> tuple[str, str | None]:
+    """Appends `token_id` to the request's text; returns the text to stream now and the finish reason, which
+    becomes "stop" when a stop string appears (the text is cut before it)."""
     stream.text += stream.detokenizer.step(token_id)
-    if seq.params.stop:
+    if stop:
         search_from = max(0, stream.sent_chars - stream.holdback)
-        hits = [i for i in (stream.text.find(s, search_from) for s in seq.params.stop) if i >= 0]
+        hits = [i for i in (stream.text.find(s, search_from) for s in stop) if i >= 0]
         if hits:
             stream.text = stream.text[: min(hits)]
             reason = "stop"
     end = len(stream.text) if reason else max(stream.sent_chars, len(stream.text) - stream.holdback)
-    delta_text = stream.text[stream.sent_chars : end]
+    delta = stream.text[stream.sent_chars : end]
     stream.sent_chars = end
-    delta_ids = seq.completion_token_ids[stream.sent_tokens :]
-    stream.sent_tokens = seq.num_completion_tokens
+    return delta, reason
+
+
+def process_token(
+    seq: Sequence, stream: RequestStream | None, token_id: int, eos_ids: tuple[int, ...], max_model_len: int
+) -> tuple[RequestOutput, str | None]:
+    """The delta to stream for `token_id` and the finish reason, if any; no text without a `stream` (the
+    engine core process leaves text and stop strings to its frontend)."""
+    reason = finish_reason_for(seq, token_id, eos_ids, max_model_len)
+    delta_text = ""
+    if stream is not None:
+        delta_text, reason = text_delta(stream, seq.params.stop, token_id, reason)
     output = RequestOutput(
         request_id=seq.request_id,
         delta_text=delta_text,
-        delta_token_ids=delta_ids,
+        delta_token_ids=[token_id],
         prompt_tokens=seq.num_prompt_tokens,
         completion_tokens=seq.num_completion_tokens,
         finished=reason is not None,

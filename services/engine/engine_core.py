@@ -1,0 +1,136 @@
+"""The engine core: LLMEngine's step loop on its own, fed and drained through two pipes (vLLM V1's EngineCore).
+
+It runs in its own process under `hintserve serve` and `hintserve engine`, so the model never shares a GIL with
+HTTP, SSE, gRPC or detokenisation; `AsyncLLMEngine` (the frontend) tokenises, detokenises and streams. The
+messages are plain tuples (pickled by `multiprocessing.Connection`):
+
+  frontend -> core   ("add", request_id, serial, prompt_token_ids, params)
+                     ("abort", request_id, serial, reason)     reason "stop": the frontend saw a stop string
+                     ("stop",)                                 abort everything and exit
+  core -> frontend   ("ready", EngineLimits, model_info, stats)
+                     ("outputs", [CoreOutput, ...], stats or None)
+                     ("stats", stats)                          whenever the core goes idle
+                     ("dead", message, user_error)             the loop failed (or the model did not load;
+                                                               user_error: a bad model dir or setting)
+
+A CoreOutput is (request_id, serial, token_id or None, prompt_tokens, completion_tokens, finish_reason, error).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import time
+from multiprocessing.connection import Connection
+
+from services.engine.config import EngineConfig
+from services.engine.errors import InvalidRequestError
+from services.engine.llm_engine import LLMEngine
+from services.engine.outputs import RequestOutput
+from services.engine.sampling_params import SamplingParams
+from services.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 0.25  # while busy, stats ride along with outputs this often, and with every finish
+
+CoreOutput = tuple[str, int, "int | None", int, int, "str | None", "str | None"]
+
+
+def _core_output(out: RequestOutput) -> CoreOutput:
+    token = out.delta_token_ids[0] if out.delta_token_ids else None
+    return (out.request_id, out.seq_serial, token, out.prompt_tokens, out.completion_tokens, out.finish_reason,
+            out.error)
+
+
+class EngineCore:
+    def __init__(self, engine: LLMEngine, requests: Connection, outputs: Connection) -> None:
+        self.engine = engine
+        self.requests = requests
+        self.outputs = outputs
+        self._stats_due = 0.0
+
+    def run(self) -> None:
+        """Steps while there is work, blocks on the pipe when there is none; returns on ("stop",) or EOF."""
+        engine, requests = self.engine, self.requests
+        while True:
+            if not engine.has_unfinished():
+                self.outputs.send(("stats", engine.stats()))
+                requests.poll(None)
+            while requests.poll():
+                if not self._handle(requests.recv()):  # EOFError: the frontend is gone; so are we
+                    return
+            if engine.has_unfinished():
+                outputs = engine.step()
+                if outputs:
+                    self._send_outputs(outputs)
+
+    def _send_outputs(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        stats = None
+        if now >= self._stats_due or any(o.finished for o in outputs):  # a finish frees blocks, bumps counters
+            self._stats_due = now + STATS_INTERVAL_S
+            stats = self.engine.stats()
+        self.outputs.send(("outputs", [_core_output(o) for o in outputs], stats))
+
+    def _handle(self, msg: tuple) -> bool:
+        kind = msg[0]
+        if kind == "add":
+            _, request_id, serial, token_ids, params = msg
+            self._add(request_id, serial, token_ids, params)
+        elif kind == "abort":
+            out = self.engine.abort_request(msg[1], msg[2], msg[3])
+            if out is not None:
+                self._send_outputs([out])
+        elif kind == "stop":
+            outs = [self.engine.abort_request(rid) for rid in list(self.engine._streams)]
+            self._send_outputs([o for o in outs if o is not None])
+            return False
+        return True
+
+    def _add(self, request_id: str, serial: int, token_ids: list[int], params: SamplingParams) -> None:
+        seq = Sequence(request_id, token_ids, params, self.engine.config.block_size)
+        seq.serial = serial  # the frontend's numbering: its streams match outputs by (id, serial)
+        try:
+            self.engine.add_sequence(seq)
+        except InvalidRequestError as exc:
+            self._send_outputs([RequestOutput(request_id, "", [], len(token_ids), 0, True, "error", serial,
+                                              error=str(exc))])
+
+
+def run_engine_core(config: EngineConfig, requests: Connection, outputs: Connection) -> int:
+    """Loads the model, says ("ready", ...) and runs the loop; 1 if loading or the loop failed (said "dead")."""
+    try:
+        engine = LLMEngine(config, detokenize=False)
+    except Exception as exc:
+        log.exception("engine core failed to start")
+        _say(outputs, ("dead", f"engine failed to start: {exc}", isinstance(exc, (ValueError, FileNotFoundError))))
+        return 1
+    try:
+        outputs.send(("ready", engine.limits, engine.model_info(), engine.stats()))
+        EngineCore(engine, requests, outputs).run()
+    except (BrokenPipeError, EOFError, ConnectionResetError):
+        return 0  # the frontend went away first
+    except Exception as exc:  # a bug or device failure no single request explains: stop, loudly
+        log.exception("engine core loop failed")
+        _say(outputs, ("dead", f"engine loop failed: {exc!r}", False))
+        return 1
+    finally:
+        engine.close()
+    return 0
+
+
+def _say(outputs: Connection, msg: tuple) -> None:
+    try:
+        outputs.send(msg)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+
+
+def engine_core_main(config: EngineConfig, requests: Connection, outputs: Connection) -> None:
+    """The core process's entry point (spawned): Ctrl-C goes to the frontend, which stops us in order."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.WARNING, format="[hintserve core] %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("torchao").setLevel(logging.ERROR)  # optional CUDA kernels it cannot load on CPU
+    sys.exit(run_engine_core(config, requests, outputs))

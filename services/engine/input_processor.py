@@ -1,0 +1,79 @@
+"""Admission checks and tokenisation of a request, wherever the tokenizer lives (API process or engine)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from services.engine.errors import InvalidRequestError
+from services.engine.sampling_params import SamplingParams, check_context_length, is_valid_utf8
+from services.engine.sequence import Sequence
+
+MAX_REQUEST_ID_CHARS = 256  # the id is echoed in every streamed message: a long one would multiply
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What admission needs to know about the engine core (sent by the core process once it is ready)."""
+
+    vocab_size: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    block_size: int
+    num_kv_blocks: int
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, limits: EngineLimits) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt must not be empty", "prompt")
+            if not is_valid_utf8(prompt):
+                raise InvalidRequestError("prompt must be valid UTF-8 (no lone surrogates)", "prompt")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        if not prompt:
+            raise InvalidRequestError("prompt token ids must not be empty")
+        vocab = self.limits.vocab_size
+        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}", "prompt")
+        return list(prompt)
+
+    def make_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        """Validates a request and builds its sequence; raises InvalidRequestError with a clear message."""
+        limits = self.limits
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidRequestError(
+                f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}",
+                "request_id",
+            )
+        params.validate(limits.vocab_size)
+        ids = self.tokenize(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt tokenizes to zero tokens")
+        check_context_length(len(ids), params.max_tokens, limits.max_model_len)
+        if len(ids) > limits.max_num_batched_tokens:
+            raise InvalidRequestError(
+                f"prompt of {len(ids)} tokens exceeds max_num_batched_tokens={limits.max_num_batched_tokens}"
+            )
+        seq = Sequence(request_id, ids, params, limits.block_size)
+        blocks = math.ceil((len(ids) + params.max_tokens) / limits.block_size)
+        if blocks > limits.num_kv_blocks:
+            raise InvalidRequestError(f"request needs {blocks} KV blocks but the cache holds {limits.num_kv_blocks}")
+        return seq
+
+
+def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> str:
+    if not has_chat_template(tokenizer):
+        raise InvalidRequestError("this model's tokenizer has no chat template; use completions")
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
