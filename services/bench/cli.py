@@ -108,6 +108,19 @@ def _quant(args: argparse.Namespace) -> int:
     return 0
 
 
+def _vs_vllm(args: argparse.Namespace) -> int:
+    from services.bench.vs_vllm import Workload, run_vs_vllm
+
+    _require_model(args.model)
+    if args.vllm_python is not None and not os.path.isfile(args.vllm_python):
+        raise FileNotFoundError(f"--vllm-python: no such interpreter {args.vllm_python}")
+    if args.input_len < 1 or args.output_len < 2 or args.prompts_per_concurrency < 1:
+        raise ValueError("--input-len and --prompts-per-concurrency must be >= 1 and --output-len >= 2")
+    load = Workload(args.input_len, args.output_len, args.prompts_per_concurrency)
+    run_vs_vllm(args.model, args.vllm_python, _numbers(args.concurrency, int), args.json, load)
+    return 0
+
+
 def _all(args: argparse.Namespace) -> int:
     from services.bench.suite import run_all
 
@@ -202,6 +215,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     quant.add_argument("--prompt-len", type=int, default=32, help="tokens of each prompt (cut from the split)")
     quant.add_argument("--json", default="bench/results/quant.json")
     quant.set_defaults(func=_quant)
+
+    vs_vllm = kinds.add_parser("vs-vllm", help="hintserve serve vs vLLM's server, both driven by vLLM's client")
+    vs_vllm.add_argument("--model", default="models/demo-moe")
+    vs_vllm.add_argument("--vllm-python", default=None,
+                         help="interpreter with vllm installed (e.g. /root/vllm-venv/bin/python); without it, "
+                              "hintserve alone with our loadgen")
+    vs_vllm.add_argument("--concurrency", default="1,16,32", help="concurrent requests, e.g. 1,16,32")
+    vs_vllm.add_argument("--input-len", type=int, default=128)
+    vs_vllm.add_argument("--output-len", type=int, default=64)
+    vs_vllm.add_argument("--prompts-per-concurrency", type=int, default=4,
+                         help="requests per run: max(16, concurrency x this)")
+    vs_vllm.add_argument("--json", default="bench/results/vs_vllm.json")
+    vs_vllm.set_defaults(func=_vs_vllm)
 
     suite = kinds.add_parser("all", help="every benchmark, then bench/results/REPORT.md")
     suite.add_argument("--model", default="models/demo-moe")

