@@ -66,11 +66,20 @@ def decode_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q: [B, Hq, D], one new token per sequence; keys and values gathered from the paged cache."""
-    slots = meta.context_slots
-    keys = k_cache[slots].permute(0, 2, 1, 3)  # [B, Hkv, L, D]
-    values = v_cache[slots].permute(0, 2, 1, 3)
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), keys, values, attn_mask=meta.context_mask, scale=scale, enable_gqa=True
-    )
-    return out.squeeze(2)
+    """q: [B, Hq, D], one new token per sequence; keys and values gathered from the paged cache.
+
+    Two batched GEMMs over (sequence, kv head) with each kv head's query group as the rows: on CPU this is
+    several times faster than SDPA's kernel for a single query row.
+    """
+    slots = meta.context_slots  # [B, L]
+    batch, length = slots.shape  # type: ignore[union-attr]
+    kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // kv_heads
+    keys = k_cache[slots].permute(0, 2, 3, 1).reshape(batch * kv_heads, head_dim, length)
+    values = v_cache[slots].transpose(1, 2).reshape(batch * kv_heads, length, head_dim)
+    bias = torch.zeros(batch, length, dtype=q.dtype, device=q.device)
+    bias.masked_fill_(~meta.context_mask.reshape(batch, length), float("-inf"))  # type: ignore[union-attr]
+    bias = bias.repeat_interleave(kv_heads, dim=0)[:, None, :].expand(batch * kv_heads, group, length)
+    scores = torch.baddbmm(bias, q.reshape(batch * kv_heads, group, head_dim), keys, alpha=scale)
+    probs = scores.float().softmax(dim=-1).to(q.dtype)
+    return torch.bmm(probs, values).view(batch, kv_heads * group, head_dim)
