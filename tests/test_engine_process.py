@@ -15,7 +15,8 @@ from services.engine.async_engine import AsyncLLMEngine
 from services.engine.cli import until_stopped_or_dead
 from services.engine.config import EngineConfig
 from services.engine.errors import EngineDeadError
-from services.engine.grpc_server import EngineClient, serve_engine, stop_server
+from services.engine.grpc_client import EngineClient
+from services.engine.grpc_server import serve_engine, stop_server
 from services.engine.llm_engine import LLMEngine
 from services.engine.sampling_params import SamplingParams
 from tests.live_processes import LiveProcess

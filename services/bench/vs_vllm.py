@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -34,9 +35,9 @@ _VLLM_CLIENT = (
     "add_cli_args(parser)\n"
     "main(parser.parse_args(sys.argv[1:]))\n"
 )
-# vLLM-CPU on a small shared box: a 1 GiB KV cache (its default is 4 GiB) and no core pinning (binding its
-# OpenMP threads to cores other processes also use only hurts); every variable can be overridden from outside.
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+# vLLM-CPU on a small box: a 1 GiB KV cache (its default is 4 GiB; 32 requests of 192 tokens need a few MiB),
+# its own thread binding otherwise (auto: one core left to its API server); the environment overrides both.
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 @dataclass(frozen=True)
@@ -122,21 +123,12 @@ def _loadgen_client(url: str, model: str, load: Workload, concurrency: int, prom
     return asyncio.run(arun_replay(cfg))
 
 
-def _measure(client, concurrencies: list[int], load: Workload, bar: tqdm) -> dict[int, dict]:
-    client(1, 4)  # warm-up: first-request costs (allocator, caches) stay out of the figures
-    runs = {}
-    for c in concurrencies:
-        result = client(c, load.num_prompts(c))
-        runs[c] = {k: result.get(k) for k in _METRICS}
-        bar.update()
-    return runs
-
-
 def run_vs_vllm(
     model: str, vllm_python: str | None, concurrencies: list[int], json_path: str, load: Workload = Workload()
 ) -> dict:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so a stopped run still stops the servers it started
     with_vllm = vllm_importable(vllm_python)
-    servers = ["hintserve", "vllm"] if with_vllm else ["hintserve"]
+    servers = ["vllm", "hintserve"] if with_vllm else ["hintserve"]  # vLLM's slow, fragile start first
     client_name = "vllm.benchmarks.serve" if with_vllm else "loadgen (vLLM-compatible metrics)"
     stem = os.path.splitext(json_path)[0]
     os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
@@ -156,21 +148,38 @@ def run_vs_vllm(
                 else:
                     def client(c: int, n: int, url: str = url) -> dict:
                         return _loadgen_client(url, model, load, c, n)
-                runs[name] = _measure(client, concurrencies, load, bar)
+                client(1, 4)  # warm-up: first-request costs (allocator, caches) stay out of the figures
+                runs[name] = {}
+                for c in concurrencies:
+                    result = client(c, load.num_prompts(c))
+                    runs[name][c] = {k: result.get(k) for k in _METRICS}
+                    _write(json_path, model, client_name, with_vllm, vllm_python, load, concurrencies, runs)
+                    bar.update()
             finally:
                 _stop(proc)
-    result = {**run_header(), "model": os.path.abspath(model), "client": client_name, "vllm": with_vllm,
-              "vllm_python": vllm_python, "workload": vars(load) | {"dataset": "random", "ignore_eos": True},
-              "concurrencies": concurrencies, "runs": {k: {str(c): v for c, v in r.items()} for k, r in runs.items()}}
+    result = _write(json_path, model, client_name, with_vllm, vllm_python, load, concurrencies, runs)
     table = _table(runs, concurrencies)
     if not with_vllm:
         table += f"\n\nvLLM skipped: `vllm` is not importable in {vllm_python or '(no --vllm-python given)'}."
     print(table)
-    write_json(json_path, result)
     write_markdown(stem + ".md", f"hintserve serve vs vLLM-CPU ({client_name})", result, table)
     bar_plot(stem + ".png", "Output throughput (tok/s), random 128 in / 64 out, --ignore-eos",
              [f"c={c}" for c in concurrencies],
              {name: [r[c]["output_throughput"] or 0.0 for c in concurrencies] for name, r in runs.items()}, "tok/s")
+    return result
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _write(json_path: str, model: str, client_name: str, with_vllm: bool, vllm_python: str | None, load: Workload,
+           concurrencies: list[int], runs: dict[str, dict[int, dict]]) -> dict:
+    """The result so far (written after each server, so an interrupted run keeps what it measured)."""
+    result = {**run_header(), "model": os.path.abspath(model), "client": client_name, "vllm": with_vllm,
+              "vllm_python": vllm_python, "workload": vars(load) | {"dataset": "random", "ignore_eos": True},
+              "concurrencies": concurrencies, "runs": {k: {str(c): v for c, v in r.items()} for k, r in runs.items()}}
+    write_json(json_path, result)
     return result
 
 
