@@ -1,7 +1,8 @@
 """Weight-only int8/int4 matmul kernels on one demo-model expert (SwiGLU), CPU, fp32 activations.
 
 Compares torch's own CPU ops, torchao 0.18 and hqq 0.2 against dequantise-then-matmul at 1/8/64 tokens;
-run with `python bench/quant_kernels.py` (writes bench/results/quant_kernels.{json,md}).
+run with `PYTHONPATH=. python bench/quant_kernels.py` (writes bench/results/quant_kernels.{json,md}); torchao
+and hqq rows need `pip install torchao==0.18.0 hqq` (not project dependencies: neither is used, see the md).
 """
 
 from __future__ import annotations
@@ -80,6 +81,15 @@ def variants(gu: torch.Tensor, d: torch.Tensor) -> dict:
         return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, sz)
 
     out[f"int4 g{GROUP}: aten._weight_int4pack_mm_for_cpu"] = swiglu_with(int4_tinygemm(gu), int4_tinygemm(d))
+
+    from services.engine.quant.kernels import packed_linear
+    from services.engine.quant.packed import QuantScheme, pack_matrix
+
+    for bits in (8, 4):
+        mats = [pack_matrix(w, QuantScheme(bits, GROUP), "cpu") for w in (gu, d)]
+        name = "int8 per-row" if bits == 8 else f"int4 g{GROUP}"
+        out[f"{name}: ours = the aten kernel with bf16 activations (packed_linear)"] = swiglu_with(
+            lambda x, m=mats[0]: packed_linear(x, m), lambda x, m=mats[1]: packed_linear(x, m))
 
     try:
         from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_

@@ -75,6 +75,7 @@ def _offload(args: argparse.Namespace) -> int:
     run_offload_bench(
         args.model, policies, _fractions(args.cache), _numbers(args.link_ratio, float),
         _numbers(args.batch, int), args.json, args.plot, args.new_tokens, args.repeats, args.device, args.link,
+        _expert_dtypes(args.expert_dtypes), args.expert_group_size,
     )
     return 0
 
@@ -90,13 +91,18 @@ def _online(args: argparse.Namespace) -> int:
     return 0
 
 
+def _expert_dtypes(text: str) -> tuple[str, ...]:
+    dtypes = tuple(d for d in text.split(",") if d)
+    if not dtypes or any(d not in ("auto", "bf16", "int8", "int4") for d in dtypes):
+        raise ValueError(f"expert dtypes: comma-separated auto, bf16, int8, int4; got {text!r}")
+    return dtypes
+
+
 def _quant(args: argparse.Namespace) -> int:
     from services.bench.quant_bench import run_quant_bench
 
     _require_model(args.model)
-    dtypes = [d for d in args.expert_dtypes.split(",") if d]
-    if not dtypes or any(d not in ("auto", "bf16", "int8", "int4") for d in dtypes):
-        raise ValueError(f"--expert-dtypes: comma-separated auto, bf16, int8, int4; got {args.expert_dtypes!r}")
+    dtypes = list(_expert_dtypes(args.expert_dtypes))
     groups = _numbers(args.group_sizes, int)
     if any(g not in (32, 64, 128) for g in groups):
         raise ValueError(f"--group-sizes must be among 32, 64, 128; got {args.group_sizes!r}")
@@ -176,6 +182,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     offload.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     offload.add_argument("--link", default="emulated", choices=("emulated", "native"),
                          help="native: the CUDA copy engine (the ratio is then ignored)")
+    offload.add_argument("--expert-dtypes", default="auto",
+                         help="rows per expert storage, e.g. bf16,int8,int4 (not auto: the cache is sized in bytes)")
+    offload.add_argument("--expert-group-size", type=int, choices=(32, 64, 128), default=64)
     offload.add_argument("--json", default="bench/results/offload.json")
     offload.add_argument("--plot", default=None, help="PNG of TPOT per policy (default: next to --json)")
     offload.set_defaults(func=_offload)

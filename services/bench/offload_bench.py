@@ -6,7 +6,7 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from tqdm import tqdm
 
@@ -14,6 +14,7 @@ from services.bench.prompts import prompt_ids
 from services.common.report import bar_plot, markdown_table, run_header, write_json, write_markdown
 from services.engine.config import EngineConfig
 from services.engine.llm_engine import LLMEngine
+from services.engine.models.geometry import total_experts
 from services.engine.offload.routing_trace import RoutingTrace
 from services.engine.sampling_params import SamplingParams
 
@@ -34,6 +35,8 @@ class Row:
     peak_expert_slots_in_use: int
     prefetch_precision: float
     tokens_identical_to_resident: bool
+    expert_dtype: str = "auto"
+    cache_experts: int = 0  # slots the cache budget holds (more for packed experts in the same bytes)
 
 
 def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams):
@@ -107,23 +110,30 @@ def run_offload_bench(
     repeats: int = 1,
     device: str = "cpu",
     link: str = "emulated",
+    expert_dtypes: tuple[str, ...] = ("auto",),
+    group_size: int = 64,
 ) -> dict:
+    """With an expert dtype other than auto, the cache is sized in bytes: the fraction of every expert in
+    bf16, so packed experts get more slots in the same budget."""
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     # A serving engine's cache is warm from earlier traffic: every engine first serves other prompts (not
     # measured), and the reference does the same so that recorded and replayed steps line up.
     warm_params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     rows: list[Row] = []
     trace_dir = tempfile.mkdtemp(prefix="hintserve-trace-")
-    cases = [(c, r, b) for c in caches for r in ratios for b in batches]
+    cases = [(d, c, r, b) for d in expert_dtypes for c in caches for r in ratios for b in batches]
     progress = tqdm(total=len(cases) * len(policies) * repeats, desc="bench offload", unit="run")
-    for cache, ratio, batch in cases:
-        reference = LLMEngine(EngineConfig(model=model_dir, max_num_seqs=max(batch, 1), device=device))
+    for dtype, cache, ratio, batch in cases:
+        quant = dict(expert_dtype=dtype, expert_group_size=group_size)
+        reference = LLMEngine(EngineConfig(model=model_dir, max_num_seqs=max(batch, 1), device=device, **quant))
+        size = ({"expert_cache_fraction": cache} if dtype == "auto" else
+                {"expert_cache_gb": cache * total_experts(reference.spec) * reference.spec.expert_params * 2 / 1e9})
         warm, prompts = _split(prompt_ids(reference.tokenizer, 2 * batch), batch)
         trace = RoutingTrace(reference.spec.num_layers)
         reference.runner.step_observers.append(trace)
         _run(reference, warm, warm_params)
         expected, *_ = _run(reference, prompts, params)
-        trace_path = os.path.join(trace_dir, f"trace-b{batch}.json")
+        trace_path = os.path.join(trace_dir, f"trace-{dtype}-b{batch}.json")
         trace.save(trace_path)
         reference.close()
         for policy in policies:
@@ -132,13 +142,14 @@ def run_offload_bench(
             for _ in range(repeats):
                 engine = LLMEngine(EngineConfig(
                     model=model_dir, max_num_seqs=max(batch, 1), offload_policy=name, eviction=eviction or None,
-                    expert_cache_fraction=cache, link_ratio=ratio, routing_trace=trace_path,
-                    device=device, link=link,
+                    link_ratio=ratio, routing_trace=trace_path, device=device, link=link, **size, **quant,
                 ))
                 _run(engine, warm, warm_params)
                 tokens, ttft, tpot, counters = _run(engine, prompts, params)
-                samples.append(_row(policy, cache, ratio, batch, engine, tokens, expected, ttft, tpot,
-                                    counters, batch * (new_tokens - 1)))
+                row = _row(policy, cache, ratio, batch, engine, tokens, expected, ttft, tpot, counters,
+                           batch * (new_tokens - 1))
+                slots = getattr(getattr(engine.model.experts, "cache", None), "num_slots", 0)
+                samples.append(replace(row, expert_dtype=dtype, cache_experts=slots))
                 engine.close()
                 progress.update()
             rows.append(_median_row(samples))
@@ -162,14 +173,15 @@ def _median_row(samples: list[Row]) -> Row:
         if isinstance(value, float):
             fields[name] = statistics.median(getattr(s, name) for s in samples)
     fields["tokens_identical_to_resident"] = all(s.tokens_identical_to_resident for s in samples)
+    fields["expert_dtype"] = samples[0].expert_dtype
     return Row(**fields)
 
 
 def _report(result: dict, rows: list[Row], json_path: str, plot_path: str) -> None:
-    headers = ("policy", "cache", "ratio", "batch", "TTFT ms", "TPOT ms", "hit rate", "blocking ms/tok",
+    headers = ("policy", "experts", "cache (slots)", "ratio", "batch", "TTFT ms", "TPOT ms", "hit rate", "blocking ms/tok",
                "MB/tok", "peak MB", "peak slots", "same tokens")
     table = markdown_table(headers, [
-        (r.policy, f"{r.cache_fraction:.0%}", r.link_ratio, r.batch, r.ttft_ms, r.tpot_ms, r.hit_rate,
+        (r.policy, r.expert_dtype, f"{r.cache_fraction:.0%} ({r.cache_experts})", r.link_ratio, r.batch, r.ttft_ms, r.tpot_ms, r.hit_rate,
          r.blocking_ms_per_token, r.mb_per_token, r.peak_device_mb, r.peak_expert_slots_in_use,
          "yes" if r.tokens_identical_to_resident else "NO")
         for r in rows
@@ -181,6 +193,7 @@ def _report(result: dict, rows: list[Row], json_path: str, plot_path: str) -> No
         policies = list(dict.fromkeys(r.policy for r in rows))
         series = {}
         for r in rows:
-            series.setdefault(f"batch {r.batch}, {r.cache_fraction:.0%}, x{r.link_ratio:g}", {})[r.policy] = r.tpot_ms
+            series.setdefault(f"{r.expert_dtype}, batch {r.batch}, {r.cache_fraction:.0%}, x{r.link_ratio:g}",
+                              {})[r.policy] = r.tpot_ms
         bar_plot(plot_path, "TPOT by offload policy (lower is better)", policies,
                  {k: [v.get(p, 0.0) for p in policies] for k, v in series.items()}, "TPOT (ms)")

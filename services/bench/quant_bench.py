@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from services.bench.report import bar_plot, markdown_table, run_header, write_json, write_markdown
+from services.common.report import bar_plot, markdown_table, run_header, write_json, write_markdown
 from services.engine.config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine.models.attention import AttentionMetadata

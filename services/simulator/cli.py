@@ -99,6 +99,14 @@ def _simulate(args: argparse.Namespace) -> int:
             f"unknown eviction policy {args.eviction!r}; choose from: {', '.join(EVICTION_POLICIES)}"
         )
     spec = get_model_spec(args.model_spec)
+    if args.expert_dtype != "auto":
+        from dataclasses import replace
+
+        from services.simulator.model_specs import engine_expert_precision
+
+        precision = engine_expert_precision(args.expert_dtype, args.expert_group_size, spec.hidden_size,
+                                            spec.moe_intermediate_size)
+        spec = replace(spec, expert_precision=precision, description=f"{spec.description}, experts {precision.name}")
     hw = get_hardware(args.hardware)
     host = get_host(args.host)
     if args.link_gbps is not None:
@@ -172,6 +180,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--hint-latency-ms", type=float, default=2.0, help="context out -> predictor hints in")
     p.add_argument("--eviction", help="override every policy's eviction (as the engine's --eviction)")
     p.add_argument("--link-gbps", type=float, help="override the profile's host-to-device bandwidth")
+    p.add_argument("--expert-dtype", choices=("auto", "bf16", "int8", "int4"), default="auto",
+                   help="experts stored as the engine's --expert-dtype (auto: the spec's own precision)")
+    p.add_argument("--expert-group-size", type=int, choices=(32, 64, 128), default=64)
     p.add_argument(
         "--warmup-steps", type=int, default=0, help="steps left out of the figures (cache warm-up)"
     )
