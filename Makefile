@@ -1,4 +1,4 @@
-.PHONY: install test bench bench-quick lint
+.PHONY: install test bench bench-quick lint soak
 
 install:
 	pip install torch==2.13.0 && pip install -e ".[dev]"
@@ -15,3 +15,7 @@ bench:
 
 bench-quick:
 	hintserve bench all --quick
+
+# 10 minutes at 32 concurrent streams against a real cluster (not in CI): failures and memory growth.
+soak:
+	python -m tests.soak --duration-s 600 --concurrency 32 --out bench/results/soak.json
