@@ -176,9 +176,11 @@ class PredictorService:
             )
             if not entries:
                 return
-            batches = [b for b in (self._decode(data) for _, data in entries) if b is not None]
-            for batch, superseded in zip(batches, _superseded(batches)):
-                await self._process(batch, superseded)
+            decoded = [(entry_id, self._decode(data)) for entry_id, data in entries]
+            kept = [(entry_id, b) for entry_id, b in decoded if b is not None]
+            batches = [b for _, b in kept]
+            for (entry_id, batch), superseded in zip(kept, _superseded(batches)):
+                await self._process(batch, superseded, entry_id)
             # Acknowledge after the hints went out: the ack is off the latency path, and a crash before it
             # means the entries are redone (observed twice at worst), never lost.
             await self.broker.stream_ack(self.stream, self.group, [entry_id for entry_id, _ in entries])
@@ -197,12 +199,16 @@ class PredictorService:
             return None
         return batch
 
-    async def _process(self, batch: pb.ContextBatch, superseded: frozenset[str] = frozenset()) -> None:
+    async def _process(
+        self, batch: pb.ContextBatch, superseded: frozenset[str] = frozenset(), entry_id: str | None = None
+    ) -> None:
         age = time.time() - batch.sent_unix_ns / 1e9
         fresh = age <= self.max_context_age_s
         start = time.perf_counter()
         try:
             hints = self.hub.handle(batch, predict=fresh, superseded=superseded)
+            if entry_id is not None:  # before any await: a snapshot taken from now on includes this entry
+                self._advance(entry_id)
         except (InvalidInput, CapacityExceeded) as exc:
             self._reject("invalid" if isinstance(exc, InvalidInput) else "capacity")
             log.debug("rejected context batch from %s: %s", batch.engine_id, exc)
@@ -265,7 +271,7 @@ class PredictorService:
                 batch = None if entry_id in skip else self._decode(data)
                 snapshot_id = since.get(batch.shape.model, "0-0") if batch is not None else None
                 if batch is not None and entry_key(entry_id) > entry_key(snapshot_id or "0-0"):
-                    await self._process(batch)  # old: observed, not predicted for
+                    await self._process(batch, entry_id=entry_id)  # old: observed, not predicted for
                     replayed += 1
                 self._advance(entry_id)
             cursor = entries[-1][0]
