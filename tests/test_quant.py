@@ -100,3 +100,26 @@ def test_offloaded_quantized_experts_decode_like_resident_ones(tiny_mixtral_dir:
     finally:
         resident.close()
         offloaded.close()
+
+
+def test_agreement_counts_positions_and_identical_prompts() -> None:
+    from services.bench.quant_bench import agreement
+
+    assert agreement([[1, 2, 3], [4, 5, 6]], [[1, 2, 9], [4, 5, 6]]) == (5 / 6, 1)
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "quant", "--expert-dtypes", "int3"],
+    ["bench", "quant", "--group-sizes", "48"],
+    ["bench", "offload", "--expert-dtypes", "fp4"],
+    ["generate", "--model", "models/demo-moe", "--prompt", "x", "--expert-group-size", "48"],
+])
+def test_bad_quant_flags_exit_2(argv: list[str]) -> None:
+    from services import cli
+
+    if "--expert-group-size" in argv:  # an argparse choice: argparse itself exits 2
+        with pytest.raises(SystemExit) as exc:
+            cli.main(argv)
+        assert exc.value.code == 2
+    else:
+        assert cli.main(argv) == 2
