@@ -50,14 +50,19 @@ def test_offloaded_deepseek_is_token_identical_to_resident(
         engine.close()
 
 
-def test_fp8_block_quantised_checkpoint_is_refused(tiny_model_dirs: dict[str, str], tmp_path) -> None:
+def test_fp8_block_quantised_checkpoint_loads_dequantised(tiny_model_dirs: dict[str, str], tmp_path) -> None:
+    """DeepSeek-V3's FP8 release layout (weight + weight_scale_inv per 128x128 block), once refused, loads."""
+    from tests.quant_checkpoints import fp8_pack, fp8_reference
+
     model_dir = shutil.copytree(tiny_model_dirs["deepseek_v3"], tmp_path / "fp8")
     path = os.path.join(model_dir, "model.safetensors")
     state = load_file(path)
-    state["model.layers.0.self_attn.o_proj.weight_scale_inv"] = torch.ones(1, 1)
+    name = "model.layers.0.self_attn.o_proj"
+    parts = fp8_pack(state[f"{name}.weight"].float())
+    state.update({f"{name}.{k}": v for k, v in parts.items()})
     save_file(state, path, metadata={"format": "pt"})
-    with pytest.raises(ValueError, match="FP8 block-quantised"):
-        load_model(str(model_dir))
+    loaded = load_model(str(model_dir))
+    assert torch.equal(loaded.model.w.layers[0].attention.o, fp8_reference(parts))
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3"])
