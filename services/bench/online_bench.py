@@ -10,37 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
-import time
 
-import httpx
 from tqdm import tqdm
 
+from services.bench.servers import free_port, wait_ready
 from services.common.report import bar_plot, markdown_table, run_header, write_json, write_markdown
 
 _TRACE_POLICIES = ("oracle", "belady")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with code {proc.returncode} before becoming ready")
-        try:
-            if httpx.get(f"{url}/ready", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)  # polling a child process's readiness, not synchronising threads
-    raise TimeoutError(f"server at {url} not ready after {timeout:.0f} s")
 
 
 def _serve(model: str, policy: str, port: int, cache: float, ratio: float) -> subprocess.Popen:
@@ -70,11 +48,11 @@ def run_online_bench(
     slos = slos or {"ttft": 300.0, "tpot": 50.0}
     runs: dict[str, dict] = {}
     for policy in tqdm([p for p in policies if p not in _TRACE_POLICIES], desc="bench online", unit="policy"):
-        port = _free_port()
+        port = free_port()
         url = f"http://127.0.0.1:{port}"
         proc = _serve(model, policy, port, cache, ratio)
         try:
-            _wait_ready(url, proc)
+            wait_ready(f"{url}/ready", proc, timeout=180.0)
             cfg = ReplayConfig(url=url, model=os.path.basename(os.path.normpath(model)), trace="conv",
                                speedup=speedup, duration=duration, max_context=max_context, goodput=dict(slos),
                                tokenizer=model, seed=0, label=policy)

@@ -18,10 +18,9 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-import httpx
 from tqdm import tqdm
 
-from services.bench.online_bench import _free_port
+from services.bench.servers import free_port, wait_ready
 from services.common.report import bar_plot, markdown_table, run_header, write_json, write_markdown
 
 SERVED_NAME = "demo-moe"
@@ -73,22 +72,6 @@ def _start_server(name: str, model: str, port: int, vllm_python: str | None, log
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)  # type: ignore[arg-type]
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, log_path: str, timeout: float = 900.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with code {proc.returncode} before it was ready; see {log_path}")
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)  # polling a child process's readiness, not synchronising threads
-    raise TimeoutError(f"server at {url} not ready after {timeout:.0f} s; see {log_path}")
-
-
 def _stop(proc: subprocess.Popen) -> None:
     proc.terminate()
     try:
@@ -135,12 +118,12 @@ def run_vs_vllm(
     runs: dict[str, dict[int, dict]] = {}
     with tqdm(total=len(servers) * len(concurrencies), desc="bench vs-vllm", unit="case") as bar:
         for name in servers:
-            port, log_path = _free_port(), f"{stem}_{name}.log"
+            port, log_path = free_port(), f"{stem}_{name}.log"
             url = f"http://127.0.0.1:{port}"
             bar.set_postfix_str(f"starting {name}")
             proc = _start_server(name, model, port, vllm_python, log_path)
             try:
-                _wait_ready(url, proc, log_path)
+                wait_ready(f"{url}/v1/models", proc, timeout=900.0, log_path=log_path)
                 bar.set_postfix_str(name)
                 if with_vllm:
                     def client(c: int, n: int, url: str = url) -> dict:
