@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.expert_provider import ExpertWeights
+from services.engine.models.moe import record_routing
 from services.engine.models.router import Routing
 from services.engine.step_context import StepContext
 
@@ -67,10 +68,8 @@ def fused_moe_forward(
     x: torch.Tensor, layer: int, routing: Routing, stacked: StackedExperts, ctx: StepContext
 ) -> torch.Tensor:
     """x: [tokens, hidden] -> [tokens, hidden]; the same sum as `moe_forward`, computed in grouped GEMMs."""
-    weights, experts, probs = routing
-    ctx.router_probs[layer] = probs
-    ctx.selected_experts[layer] = experts
-    ctx.layer_routed(layer)
+    weights, experts, _ = routing
+    record_routing(layer, routing, ctx)
     tokens, top_k = experts.shape
     flat_experts = experts.flatten()
     order = torch.argsort(flat_experts, stable=True)  # assignments grouped by expert, tokens ascending

@@ -26,14 +26,20 @@ def expert_forward(x: torch.Tensor, w: ExpertWeights | QuantizedExpertWeights) -
     return swiglu(x, w.gate_up, w.down)
 
 
+def record_routing(layer: int, routing: Routing, ctx: StepContext) -> None:
+    """Hands the layer's routing to the step context and its observers (prefetchers, the predictor link)."""
+    _, experts, probs = routing
+    ctx.router_probs[layer] = probs
+    ctx.selected_experts[layer] = experts
+    ctx.layer_routed(layer)
+
+
 def moe_forward(
     x: torch.Tensor, layer: int, routing: Routing, provider: ExpertProvider, ctx: StepContext
 ) -> torch.Tensor:
     """x: [tokens, hidden] -> [tokens, hidden], the weighted sum of each token's top-k experts."""
     weights, experts, probs = routing
-    ctx.router_probs[layer] = probs
-    ctx.selected_experts[layer] = experts
-    ctx.layer_routed(layer)
+    record_routing(layer, routing, ctx)
     top_k = experts.shape[1]
 
     flat_experts = experts.flatten()
