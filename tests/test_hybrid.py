@@ -136,3 +136,58 @@ def test_host_executor_computes_quantized_experts(tiny_mixtral_dir, policy: str)
         assert engine.model.experts.stats.host_experts > 0
     finally:
         engine.close()
+
+
+def test_cost_placement_weighs_a_transfer_by_what_is_left_of_it() -> None:
+    costs = PlacementCosts(device_first=1.0, device_per_token=0.0, host_first=10.0, host_per_token=10.0, link=12.0)
+    decode = StepContext(Phase.DECODE, ["r"], 1)
+    placement = CostPlacement(costs, stream_prefill=False)
+    # Nearly landed: waiting (2 + 1) beats the host (10); barely started: the host (10) beats 11 + 1.
+    assert placement.split([3], {3: 1}, decode, 0.0, landing={3: 2.0}) == ([3], [])
+    assert placement.split([3], {3: 1}, decode, 0.0, landing={3: 11.0}) == ([], [3])
+    # An expert already on the link adds nothing to the link's queue: the next miss is not delayed by it.
+    assert placement.split([3, 5], {3: 1, 5: 1}, decode, 9.0, landing={3: 2.0}) == ([3, 5], [])
+
+
+def test_hot_set_eviction_learns_the_hot_set_and_keeps_prefetches_out_of_it() -> None:
+    from services.engine.offload.eviction.hot_set import HotSetEviction
+
+    eviction = HotSetEviction(slots=3, reserve=1, half_life=4.0)
+    ctx = StepContext(Phase.DECODE, ["r"], 1)
+    for step in range(12):
+        for key in [(0, 1), (0, 2)] + ([(0, 3)] if step % 4 == 0 else []):
+            eviction.on_access(key, ctx)
+        eviction.on_step_end(ctx)
+    assert eviction.hot == {(0, 1), (0, 2)}
+    assert eviction.victim([(0, 1), (0, 3), (0, 2)], ctx, 0) == (0, 3)  # outside the hot set first
+    assert eviction.admit((0, 5), (0, 3), ctx, 0) and not eviction.admit((0, 5), (0, 1), ctx, 0)
+    # The set follows the traffic: (0, 3) takes over once (0, 2) falls out of use.
+    for _ in range(40):
+        for key in [(0, 1), (0, 3)]:
+            eviction.on_access(key, ctx)
+        eviction.on_step_end(ctx)
+    assert eviction.hot == {(0, 1), (0, 3)}
+
+
+def test_hintserve_keeps_its_prefetches_within_the_link_slack(reference) -> None:
+    from services.engine.offload.hybrid_provider import HybridExpertProvider
+
+    model_dir, expected, trace = reference
+    engine = LLMEngine(EngineConfig(model=model_dir, offload_policy="hintserve", routing_trace=trace,
+                                    expert_cache_fraction=0.5, link_ratio=100.0, host_ratio=4.0))
+    provider = engine.model.experts
+    assert isinstance(provider, HybridExpertProvider) and provider.prefetch_depth > 0
+    on_link: list[int] = []
+    issue = provider._issue_prefetches
+
+    def counted(requests, ctx, limit=None):
+        issue(requests, ctx, limit)
+        on_link.append(sum(1 for t, _ in provider._prefetches if not t.event.is_ready()))
+
+    provider._issue_prefetches = counted
+    try:
+        assert engine.generate(_prompts(), GREEDY) == expected
+    finally:
+        engine.close()
+    assert on_link and max(on_link) <= provider.prefetch_depth
+    assert provider.stats.prefetches_issued > 0 and provider.stats.host_experts > 0

@@ -45,7 +45,7 @@ def test_cache_gb_is_decimal_and_resolved_once(demo_model_dir: str, demo_spec) -
 def test_settings_resolve_policy_defaults_and_overrides(demo_model_dir: str, demo_spec) -> None:
     base = OffloadSettings.from_config(EngineConfig(model=demo_model_dir, offload_policy="hintserve"),
                                        demo_spec, torch.float32)
-    assert base.eviction == "next-use" and base.prefetch_distance == 2 and base.link_ratio == 30.0
+    assert base.eviction == "hot-set" and base.prefetch_distance == 2 and base.link_ratio == 30.0
     assert base.slots == round(0.25 * demo_spec.num_moe_layers * demo_spec.num_experts)
     assert base.predictor == PredictorSettings("expert-map", "demo-moe")
     config = EngineConfig(model=demo_model_dir, offload_policy="hintserve", eviction="lru", prefetch_distance=3,

@@ -75,7 +75,7 @@ def _offload(args: argparse.Namespace) -> int:
     run_offload_bench(
         args.model, policies, _fractions(args.cache), _numbers(args.link_ratio, float),
         _numbers(args.batch, int), args.json, args.plot, args.new_tokens, args.repeats, args.device, args.link,
-        _expert_dtypes(args.expert_dtypes), args.expert_group_size,
+        _expert_dtypes(args.expert_dtypes), args.expert_group_size, args.hot_set_from,
     )
     return 0
 
@@ -185,6 +185,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     offload.add_argument("--expert-dtypes", default="auto",
                          help="rows per expert storage, e.g. bf16,int8,int4 (not auto: the cache is sized in bytes)")
     offload.add_argument("--expert-group-size", type=int, choices=(32, 64, 128), default=64)
+    offload.add_argument("--hot-set-from", default="warmup", choices=("warmup", "measured"),
+                         help="prompts whose routing the static hot sets (ktransformers, fiddler) are counted on: "
+                              "the warm-up ones (a calibration set, as those systems profile) or the measured "
+                              "ones themselves (an oracle hot set)")
     offload.add_argument("--json", default="bench/results/offload.json")
     offload.add_argument("--plot", default=None, help="PNG of TPOT per policy (default: next to --json)")
     offload.set_defaults(func=_offload)

@@ -15,6 +15,7 @@ from services.common.report import bar_plot, markdown_table, run_header, write_j
 from services.engine.config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine.models.geometry import total_experts
+from services.engine.offload.policies import get_policy
 from services.engine.offload.routing_trace import RoutingTrace
 from services.engine.sampling_params import SamplingParams
 
@@ -112,9 +113,12 @@ def run_offload_bench(
     link: str = "emulated",
     expert_dtypes: tuple[str, ...] = ("auto",),
     group_size: int = 64,
+    hot_set_from: str = "warmup",
 ) -> dict:
     """With an expert dtype other than auto, the cache is sized in bytes: the fraction of every expert in
-    bf16, so packed experts get more slots in the same budget."""
+    bf16, so packed experts get more slots in the same budget. Static hot sets are counted on the warm-up
+    prompts (a calibration set, disjoint from the measured ones) unless `hot_set_from` is "measured"; the
+    bounds (oracle, belady) always replay the measured run."""
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     # A serving engine's cache is warm from earlier traffic: every engine first serves other prompts (not
     # measured), and the reference does the same so that recorded and replayed steps line up.
@@ -129,12 +133,17 @@ def run_offload_bench(
         size = ({"expert_cache_fraction": cache} if dtype == "auto" else
                 {"expert_cache_gb": cache * total_experts(reference.spec) * reference.spec.expert_params * 2 / 1e9})
         warm, prompts = _split(prompt_ids(reference.tokenizer, 2 * batch), batch)
-        trace = RoutingTrace(reference.spec.num_layers)
-        reference.runner.step_observers.append(trace)
+        trace, calibration = RoutingTrace(reference.spec.num_layers), RoutingTrace(reference.spec.num_layers)
+        reference.runner.step_observers += [trace, calibration]
         _run(reference, warm, warm_params)
+        reference.runner.step_observers.remove(calibration)
         expected, *_ = _run(reference, prompts, params)
         trace_path = os.path.join(trace_dir, f"trace-{dtype}-b{batch}.json")
         trace.save(trace_path)
+        hot_set_path = trace_path
+        if hot_set_from == "warmup":
+            hot_set_path = os.path.join(trace_dir, f"calibration-{dtype}-b{batch}.json")
+            calibration.save(hot_set_path)
         reference.close()
         for policy in policies:
             samples = []
@@ -142,7 +151,8 @@ def run_offload_bench(
             for _ in range(repeats):
                 engine = LLMEngine(EngineConfig(
                     model=model_dir, max_num_seqs=max(batch, 1), offload_policy=name, eviction=eviction or None,
-                    link_ratio=ratio, routing_trace=trace_path, device=device, link=link, **size, **quant,
+                    link_ratio=ratio, routing_trace=hot_set_path if get_policy(name).pinned == "hot" else trace_path,
+                    device=device, link=link, **size, **quant,
                 ))
                 _run(engine, warm, warm_params)
                 tokens, ttft, tpot, counters = _run(engine, prompts, params)
@@ -155,6 +165,7 @@ def run_offload_bench(
             rows.append(_median_row(samples))
     progress.close()
     result = {**run_header(), "model": os.path.abspath(model_dir), "new_tokens": new_tokens,
+              "hot_set_from": hot_set_from,
               "repeats": repeats, "device": device, "link": link, "rows": [asdict(r) for r in rows]}
     _report(result, rows, json_path, plot_path or os.path.splitext(json_path)[0] + ".png")
     return result

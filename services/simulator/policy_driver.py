@@ -155,6 +155,7 @@ def build_offload(
         host = SimHostExecutor(cost, clock, stats)
         provider = HybridExpertProvider(
             *parts, stream_slots=spec.top_k, executor=host, pinned=pinned, prefetch_floor=policy.prefetch_floor,
+            prefetch_depth=policy.prefetch_depth,
             placement=make_placement(policy, placement_costs(cost, spec.expert_bytes)),
         )
     hint_link = None

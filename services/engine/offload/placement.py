@@ -19,16 +19,17 @@ class Placement(ABC):
     @abstractmethod
     def split(
         self, misses: list[int], tokens: dict[int, int], ctx: StepContext, host_backlog: float,
-        link_backlog: float = 0.0,
+        link_backlog: float = 0.0, landing: dict[int, float] | None = None,
     ) -> tuple[list[int], list[int]]:
-        """(misses to fetch, misses to compute on the host); backlogs: seconds of work each side holds that
-        a new job would wait behind."""
+        """(misses to fetch or wait for, misses to compute on the host); backlogs: seconds of work each side
+        holds that a new job would wait behind; `landing`: seconds until an expert already on the link
+        lands (it costs no further link time)."""
 
 
 class HostPlacement(Placement):
     def split(
         self, misses: list[int], tokens: dict[int, int], ctx: StepContext, host_backlog: float,
-        link_backlog: float = 0.0,
+        link_backlog: float = 0.0, landing: dict[int, float] | None = None,
     ) -> tuple[list[int], list[int]]:
         return [], misses
 
@@ -40,20 +41,24 @@ class CostPlacement(Placement):
 
     def split(
         self, misses: list[int], tokens: dict[int, int], ctx: StepContext, host_backlog: float,
-        link_backlog: float = 0.0,
+        link_backlog: float = 0.0, landing: dict[int, float] | None = None,
     ) -> tuple[list[int], list[int]]:
         if ctx.is_prefill and self.stream_prefill:
             return misses, []
         c = self.costs
+        landing = landing or {}
         link_done, host_done = link_backlog, host_backlog
         fetch, host = [], []
         for expert in sorted(misses, key=lambda e: -tokens[e]):
             n = tokens[expert]
             on_host = host_done + c.host(n)
-            if on_host <= link_done + c.link + c.device(n):
+            lands = landing.get(expert)
+            on_device = (link_done + c.link if lands is None else lands) + c.device(n)
+            if on_host < on_device:
                 host.append(expert)
                 host_done = on_host
             else:
                 fetch.append(expert)
-                link_done += c.link
+                if lands is None:
+                    link_done += c.link
         return fetch, host

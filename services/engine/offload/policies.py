@@ -24,6 +24,7 @@ class OffloadPolicy:
     placement: str = "device"  # misses: device (fetch all) | host (compute all there) | cost (Fiddler's rule)
     pinned: str = ""  # experts on the device for good: nothing | late-layers | hot (see offload/hybrid_setup.py)
     prefetch_floor: float = 0.0  # hybrid: prefetch only guesses this likely; the rest stay on the host
+    prefetch_depth: int = 0  # hybrid: prefetches on the link at once (0: no limit)
 
 
 POLICIES: dict[str, OffloadPolicy] = {
@@ -62,11 +63,12 @@ POLICIES: dict[str, OffloadPolicy] = {
                       "on the host (KTransformers)", placement="host", pinned="hot", needs_trace=True),
         OffloadPolicy("fiddler", "hot set by measured frequency + LRU slots; each miss computed on the host "
                       "when that beats fetching it (Fiddler)", placement="cost", pinned="hot", needs_trace=True),
-        OffloadPolicy("hintserve", "ours: local skip-gate for near layers, predictor hints for far layers and "
-                      "the next iteration, next-use eviction that admits only prefetches worth their victim; "
-                      "misses computed on the host when that beats fetching (predictions decide what moves)",
-                      eviction="next-use", prefetchers=("speculative", "hints"), predictor="expert-map",
-                      placement="cost", prefetch_floor=0.8),
+        OffloadPolicy("hintserve", "ours: a hot set learned online stays on the device (KTransformers without "
+                      "a recorded trace); the skip-gate and predictor hints prefetch their likely guesses into the "
+                      "link's slack, into slots outside the hot set; each remaining miss computed on the host "
+                      "when that beats fetching or waiting for it (Fiddler's rule, weighing what is on the link)",
+                      eviction="hot-set", prefetchers=("speculative", "hints"), predictor="expert-map",
+                      placement="cost", prefetch_floor=0.5, prefetch_depth=2),
     )
 }
 

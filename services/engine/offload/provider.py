@@ -206,12 +206,15 @@ class OffloadedExpertProvider(ExpertProvider):
         loading[0].event.synchronize()  # type: ignore[union-attr]  # already on the link: let it land
 
     # ---- prefetch ----
-    def _issue_prefetches(self, requests: list[PrefetchRequest], ctx: StepContext) -> None:
+    def _issue_prefetches(
+        self, requests: list[PrefetchRequest], ctx: StepContext, limit: int | None = None
+    ) -> None:
+        """Starts transfers for the most urgent requests not cached yet, at most `limit` of them."""
         eviction = self.cache.eviction
         for req in sorted(requests, key=lambda r: -r.priority):
             key = (req.layer, req.expert)
             eviction.on_prediction(key, req.priority if req.probability is None else req.probability)
-            if self.cache.lookup(key) is not None:
+            if self.cache.lookup(key) is not None or (limit is not None and limit <= 0):
                 continue
             # Leave room for this layer's own misses; never evict other protected prefetches.
             if self.cache.num_available(include_protected=False) <= len(self._pending):
@@ -229,6 +232,8 @@ class OffloadedExpertProvider(ExpertProvider):
             slot.prefetched = slot.protected = True
             self._prefetches.append((transfer, slot))
             self.stats.prefetches_issued += 1
+            if limit is not None:
+                limit -= 1
 
     def _expire_prefetches(self, ctx: StepContext, layer: int) -> None:
         """Prefetches whose target layer has passed: cancel if not started, else stop protecting them."""

@@ -70,6 +70,9 @@ def make_eviction(settings: OffloadSettings, spec: ExpertGeometry) -> EvictionPo
         return EVICTION_POLICIES[name](spec.num_layers)  # type: ignore[call-arg]
     if name in ("eam", "next-use"):
         return EVICTION_POLICIES[name](spec.num_layers, spec.num_experts)  # type: ignore[call-arg]
+    if name == "hot-set":  # room beside the hot set: this layer's demand fetches and the prefetches on the link
+        reserve = spec.top_k + settings.policy.prefetch_depth
+        return EVICTION_POLICIES[name](settings.slots, reserve)  # type: ignore[call-arg]
     if name == "belady":
         return EVICTION_POLICIES[name](_trace(settings, name))  # type: ignore[call-arg]
     if name == "static":
@@ -142,6 +145,7 @@ def build_expert_provider(
              costs.device(1) * 1e3, costs.host(1) * 1e3, costs.link * 1e3)
     return HybridExpertProvider(
         *parts, stream_slots=spec.top_k, fence=fence, pinned=pinned, prefetch_floor=settings.policy.prefetch_floor,
+        prefetch_depth=settings.policy.prefetch_depth,
         placement=make_placement(settings.policy, costs),
         executor=HostExecutor(settings.host_threads, stats, emulated),
     )

@@ -6,6 +6,7 @@ from services.engine.offload.eviction.base import EvictionPolicy
 from services.engine.offload.eviction.belady import BeladyEviction
 from services.engine.offload.eviction.eam import EAMEviction
 from services.engine.offload.eviction.finemoe import FineMoEEviction
+from services.engine.offload.eviction.hot_set import HotSetEviction
 from services.engine.offload.eviction.lfu import LFUEviction
 from services.engine.offload.eviction.lookahead import LookaheadEviction
 from services.engine.offload.eviction.lru import LRUEviction
@@ -21,6 +22,7 @@ EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
     "belady": BeladyEviction,
     "lookahead": LookaheadEviction,
     "next-use": NextUseEviction,
+    "hot-set": HotSetEviction,
 }
 
 __all__ = ["EVICTION_POLICIES", "EvictionPolicy"]

@@ -1,0 +1,44 @@
+"""Hot-set eviction: KTransformers' static hot set, learned online, plus a few slots that prefetches rotate.
+
+Each expert's use is counted with exponential decay over steps (half-life `half_life` steps), so the set
+follows the traffic without a recorded trace. The `slots - reserve` most used experts are the hot set:
+victims come from outside it first (least used first), and a prefetch is admitted only when its victim
+is outside it, so speculation never costs a hit the hot set would have given. A demand fetch may evict
+anything: the router has spoken.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from services.engine.offload.eviction.base import EvictionPolicy, Key
+from services.engine.step_context import StepContext
+
+_RESCALE = 1e30  # counts are kept in units that grow each step; rescale before they overflow
+
+
+class HotSetEviction(EvictionPolicy):
+    name = "hot-set"
+
+    def __init__(self, slots: int, reserve: int, half_life: float = 64.0) -> None:
+        self.hot_size = max(0, slots - reserve)
+        self.growth = 2.0 ** (1.0 / half_life)
+        self.unit = 1.0  # what one use adds now; grows by `growth` per step (decay without touching counts)
+        self.counts: dict[Key, float] = {}
+        self.hot: set[Key] = set()
+
+    def on_access(self, key: Key, ctx: StepContext) -> None:
+        self.counts[key] = self.counts.get(key, 0.0) + self.unit
+
+    def on_step_end(self, ctx: StepContext) -> None:
+        self.unit *= self.growth
+        if self.unit > _RESCALE:
+            self.counts = {k: v / self.unit for k, v in self.counts.items()}
+            self.unit = 1.0
+        self.hot = set(heapq.nlargest(self.hot_size, self.counts, key=self.counts.__getitem__))
+
+    def victim(self, candidates: list[Key], ctx: StepContext | None, layer_now: int) -> Key:
+        return min(candidates, key=lambda k: (k in self.hot, self.counts.get(k, 0.0)))
+
+    def admit(self, key: Key, victim: Key, ctx: StepContext | None, layer_now: int) -> bool:
+        return victim not in self.hot
