@@ -92,13 +92,13 @@ def test_cost_placement_balances_host_and_link() -> None:
     decode = StepContext(Phase.DECODE, ["r"], 1)
     placement = CostPlacement(costs, stream_prefill=False)
     # One token each: host 10 < link 12 + device 1, then the host is busy: 20 > 13, so the second is fetched.
-    assert placement.split([3, 5], {3: 1, 5: 1}, decode, 0.0) == ([5], [3])
+    assert placement.place([3, 5], {3: 1, 5: 1}, decode, 0.0) == ([5], [3], [])
     # Many tokens: the host takes 10 per token, fetching wins.
-    assert placement.split([3], {3: 8}, decode, 0.0) == ([3], [])
+    assert placement.place([3], {3: 8}, decode, 0.0) == ([3], [], [])
     # A backlog on the host moves the miss to the link.
-    assert placement.split([3], {3: 1}, decode, 5.0) == ([3], [])
+    assert placement.place([3], {3: 1}, decode, 5.0) == ([3], [], [])
     prefill = StepContext(Phase.PREFILL, ["r"], 8)
-    assert CostPlacement(costs, stream_prefill=True).split([3], {3: 1}, prefill, 0.0) == ([3], [])
+    assert CostPlacement(costs, stream_prefill=True).place([3], {3: 1}, prefill, 0.0) == ([3], [], [])
 
 
 def test_default_host_ratio_is_the_a5000_ddr4_arithmetic() -> None:
@@ -143,10 +143,10 @@ def test_cost_placement_weighs_a_transfer_by_what_is_left_of_it() -> None:
     decode = StepContext(Phase.DECODE, ["r"], 1)
     placement = CostPlacement(costs, stream_prefill=False)
     # Nearly landed: waiting (2 + 1) beats the host (10); barely started: the host (10) beats 11 + 1.
-    assert placement.split([3], {3: 1}, decode, 0.0, landing={3: 2.0}) == ([3], [])
-    assert placement.split([3], {3: 1}, decode, 0.0, landing={3: 11.0}) == ([], [3])
+    assert placement.place([3], {3: 1}, decode, 0.0, landing={3: 2.0}) == ([3], [], [])
+    assert placement.place([3], {3: 1}, decode, 0.0, landing={3: 11.0}) == ([], [3], [])
     # An expert already on the link adds nothing to the link's queue: the next miss is not delayed by it.
-    assert placement.split([3, 5], {3: 1, 5: 1}, decode, 9.0, landing={3: 2.0}) == ([3, 5], [])
+    assert placement.place([3, 5], {3: 1, 5: 1}, decode, 9.0, landing={3: 2.0}) == ([3, 5], [], [])
 
 
 def test_hot_set_eviction_learns_the_hot_set_and_keeps_prefetches_out_of_it() -> None:
@@ -191,3 +191,36 @@ def test_hintserve_keeps_its_prefetches_within_the_link_slack(reference) -> None
         engine.close()
     assert on_link and max(on_link) <= provider.prefetch_depth
     assert provider.stats.prefetches_issued > 0 and provider.stats.host_experts > 0
+
+
+def test_cost_placement_splits_an_expert_when_both_sides_are_close() -> None:
+    from services.engine.offload.placement import SplitPrices
+
+    costs = PlacementCosts(device_first=1.0, device_per_token=0.0, host_first=9.0, host_per_token=9.0, link=14.0)
+    decode = StepContext(Phase.DECODE, ["r"], 1)
+    third = SplitPrices(host=2 / 3, link=1 / 3, device=1 / 3)
+    placement = CostPlacement(costs, stream_prefill=False, split=third)
+    # Split: max(6, 4.67) + 0.33 beats the host's 9 and the link's 15; the second split queues behind it.
+    assert placement.place([3], {3: 1}, decode, 0.0) == ([], [], [3])
+    assert placement.place([3, 5], {3: 1, 5: 1}, decode, 0.0) == ([], [], [3, 5])
+    # An expert already on the link is waited for, never split; without split prices nothing splits.
+    assert placement.place([3], {3: 1}, decode, 0.0, landing={3: 1.0}) == ([3], [], [])
+    assert CostPlacement(costs, stream_prefill=False).place([3], {3: 1}, decode, 0.0) == ([], [3], [])
+
+
+def test_only_dense_experts_split() -> None:
+    from services.engine.offload.host_store import ExpertLayout
+    from services.engine.offload.split_experts import layout_split_prices, split_prices
+
+    assert layout_split_prices(ExpertLayout(4, 8)) == (2 / 3, 1 / 3, 1 / 3)
+    assert split_prices((200, 100), dense=False) is None
+
+
+def test_split_experts_keep_tokens_and_free_their_staging(reference) -> None:
+    # Host and link close in price: hintserve splits misses (gate/up on the host, down over the link).
+    tokens, expected, provider, stats = _run(reference, "hintserve", expert_cache_fraction=0.25, link_ratio=30.0,
+                                             host_ratio=20.0)
+    assert tokens == expected
+    assert provider.stats.host_split_experts > 0
+    assert stats["offload_host_compute_split_experts_total"] == provider.stats.host_split_experts
+    assert len(provider.staging._free) == len(provider.staging.buffers)  # every staging buffer back

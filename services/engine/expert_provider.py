@@ -28,10 +28,12 @@ class ExpertWeights:
 @dataclass
 class LayerPlan:
     """Where one layer's experts are computed: `device` in this order (weights from `get`), `host` by the
-    provider itself (`host_forward`, started before the device loop so both sides overlap)."""
+    provider itself (`host_forward`, started before the device loop so both sides overlap), `split`: the
+    activation on the host (`host_activation`), the down projection on the device (`get_down`)."""
 
     device: list[int]
     host: list[int] = field(default_factory=list)
+    split: list[int] = field(default_factory=list)
 
 
 class ExpertProvider(ABC):
@@ -54,6 +56,14 @@ class ExpertProvider(ABC):
     def host_forward(self, layer: int, expert: int, x: torch.Tensor) -> Future[torch.Tensor]:
         """Computes a host-placed expert on its tokens `x`; the result lands on x's device."""
         raise NotImplementedError(f"{type(self).__name__} computes every expert on the device")
+
+    def host_activation(self, layer: int, expert: int, x: torch.Tensor) -> Future[torch.Tensor]:
+        """A split expert's gate/up half on the host: its activation [tokens, intermediate] on x's device."""
+        raise NotImplementedError(f"{type(self).__name__} splits no expert")
+
+    def get_down(self, layer: int, expert: int) -> torch.Tensor:
+        """A split expert's down matrix on the device, once its transfer has landed."""
+        raise NotImplementedError(f"{type(self).__name__} splits no expert")
 
     def end_layer(self, layer: int, ctx: StepContext) -> None:  # noqa: B027 - optional hook
         """Called once the layer's experts are computed (unpin slots)."""

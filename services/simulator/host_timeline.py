@@ -30,9 +30,10 @@ class SimHostExecutor:
         self.busy_seconds = 0.0
         self.blocked = 0.0  # compute stalled gathering host results
 
-    def submit(self, weights: object, x: torch.Tensor) -> SimHostJob:
+    def submit(self, weights: object, x: torch.Tensor, activation: bool = False, share: float = 1.0) -> SimHostJob:
         tokens = x.shape[0]
-        seconds = self.cost.host_expert_seconds(tokens)
+        seconds = share * self.cost.host_expert_seconds(tokens)
+        self.stats.host_split_experts += activation
         self.free_at = max(self.clock.now, self.free_at) + seconds
         self.busy_seconds += seconds
         self.stats.host_experts += 1

@@ -26,6 +26,7 @@ from services.engine.offload.provider import OffloadedExpertProvider
 from services.engine.offload.routing_trace import RoutingTrace
 from services.engine.offload.settings import OffloadSettings
 from services.engine.offload.setup import make_eviction, make_prefetchers
+from services.engine.offload.split_experts import split_prices
 from services.engine.offload.stats import OffloadStats
 from services.engine.step_context import StepContext
 from services.simulator.hardware import CostModel
@@ -153,10 +154,11 @@ def build_offload(
     else:
         assert cost is not None, "hybrid policies price the host: pass the cost model"
         host = SimHostExecutor(cost, clock, stats)
+        split = split_prices(spec.expert_chunk_bytes, dense=spec.expert_precision.bits >= 16)
         provider = HybridExpertProvider(
             *parts, stream_slots=spec.top_k, executor=host, pinned=pinned, prefetch_floor=policy.prefetch_floor,
-            prefetch_depth=policy.prefetch_depth,
-            placement=make_placement(policy, placement_costs(cost, spec.expert_bytes)),
+            prefetch_depth=policy.prefetch_depth, experts_per_layer=spec.num_experts,
+            placement=make_placement(policy, placement_costs(cost, spec.expert_bytes), split),
         )
     hint_link = None
     hints = [p for p in prefetchers if isinstance(p, HintPrefetcher)]

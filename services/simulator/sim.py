@@ -196,11 +196,16 @@ def _run_step(
         if offload.hint_link is not None:  # type: ignore[union-attr]
             offload.hint_link.deliver()  # type: ignore[union-attr]
         plan = provider.begin_layer(layer, list(tokens_of), ctx, list(tokens_of.values()))
+        halves = [(e, provider.host_activation(layer, e, token_slice(tokens_of[e]))) for e in plan.split]
         on_host = [provider.host_forward(layer, e, token_slice(tokens_of[e])) for e in plan.host]
         for expert in plan.device:
             log.peak_slots = max(log.peak_slots, provider.cache.num_occupied)
             provider.get(layer, expert)  # stalls the clock until the expert has landed
             clock.now += cost.expert_seconds(tokens_of[expert])
+        for expert, job in halves:  # the device applies down once both the activation and down are there
+            offload.host.gather(job)  # type: ignore[union-attr]
+            provider.get_down(layer, expert)
+            clock.now += provider.split_prices.device * cost.expert_seconds(tokens_of[expert])  # type: ignore
         for job in on_host:
             offload.host.gather(job)  # type: ignore[union-attr]  # stalls until the host has finished it
         log.peak_slots = max(log.peak_slots, provider.cache.num_occupied)

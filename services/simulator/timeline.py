@@ -80,7 +80,8 @@ class SimTransferEngine(TransferEngine):
     # ---- TransferEngine's interface, each first bringing the copy engine up to the compute clock ----
     def submit(self, transfer: Transfer) -> None:
         self.advance()
-        transfer.nbytes = sum(self.chunk_bytes[: len(transfer.chunks)])
+        first = transfer.chunk_offset
+        transfer.nbytes = sum(self.chunk_bytes[first : first + len(transfer.chunks)])
         with self._cond:
             self._push(transfer)
 
@@ -128,7 +129,7 @@ class SimTransferEngine(TransferEngine):
             self.clock.now = event.done_at
 
     def _start(self, transfer: Transfer) -> None:
-        nbytes = self.chunk_bytes[transfer.next_chunk]
+        nbytes = self.chunk_bytes[transfer.chunk_offset + transfer.next_chunk]
         transfer.state = TransferState.ACTIVE
         end = self._free_at + nbytes / self.link.bytes_per_second
         self._active = (transfer, end, transfer.demand, nbytes)

@@ -12,18 +12,32 @@ from services.engine.quant.packed import QuantizedExpertWeights
 from services.engine.step_context import StepContext
 
 
-def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def swiglu_activation(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
+    return F.silu(gate) * up
+
+
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    return F.linear(swiglu_activation(x, gate_up), down)
 
 
 def expert_forward(x: torch.Tensor, w: ExpertWeights | QuantizedExpertWeights) -> torch.Tensor:
     """One routed expert on the tokens routed to it: the single entry point every executor calls."""
     if isinstance(w, QuantizedExpertWeights):
         return packed_swiglu(x, w.gate_up, w.down)
-    if w.gate_up.dtype != x.dtype:  # bf16 experts under fp32 activations (--expert-dtype bf16 on CPU)
-        return swiglu(x.to(w.gate_up.dtype), w.gate_up, w.down).to(x.dtype)
-    return swiglu(x, w.gate_up, w.down)
+    return expert_down(expert_activation(x, w.gate_up), w.down, x.dtype)
+
+
+# A split expert (offload/split_experts.py) runs the same two halves on two sides: the activation where
+# gate/up lives, the down projection where down was fetched to; the ops are expert_forward's own.
+def expert_activation(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """[tokens, intermediate] in the weights' dtype (bf16 experts under fp32 activations on CPU)."""
+    return swiglu_activation(x if x.dtype == gate_up.dtype else x.to(gate_up.dtype), gate_up)
+
+
+def expert_down(h: torch.Tensor, down: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    y = F.linear(h, down)
+    return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
 def record_routing(layer: int, routing: Routing, ctx: StepContext) -> None:
@@ -54,15 +68,20 @@ def moe_forward(
     active = [e for e, c in enumerate(counts) if c]
     outputs = torch.empty(len(order), x.shape[1], dtype=x.dtype, device=x.device)
     plan = provider.begin_layer(layer, active, ctx, [counts[e] for e in active])
-    # Host experts first, so their worker threads run while the device computes the rest.
-    on_host = [
-        (e, provider.host_forward(layer, e, x[token_of_assignment[offsets[e] : offsets[e + 1]]])) for e in plan.host
-    ]
+    # Host work first, so its worker threads run while the device computes the rest; split experts' halves
+    # first of all, since the device finishes them.
+    rows = lambda e: x[token_of_assignment[offsets[e] : offsets[e + 1]]]  # noqa: E731
+    split = [(e, provider.host_activation(layer, e, rows(e))) for e in plan.split]
+    on_host = [(e, provider.host_forward(layer, e, rows(e))) for e in plan.host]
     for expert in plan.device:
         start, end = offsets[expert], offsets[expert + 1]
         w = provider.get(layer, expert)
         y = expert_forward(x[token_of_assignment[start:end]], w)
         outputs[start:end] = y * weight_of_assignment[start:end]
+    for expert, future in split:
+        start, end = offsets[expert], offsets[expert + 1]
+        h = future.result()
+        outputs[start:end] = expert_down(h, provider.get_down(layer, expert), x.dtype) * weight_of_assignment[start:end]
     for expert, future in on_host:
         start, end = offsets[expert], offsets[expert + 1]
         outputs[start:end] = future.result() * weight_of_assignment[start:end]

@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from services.engine.expert_provider import ExpertWeights
-from services.engine.models.moe import expert_forward
+from services.engine.models.moe import expert_activation, expert_forward
 from services.engine.offload.stats import OffloadStats
 
 
@@ -40,25 +40,30 @@ class HostExecutor:
         self._lock = threading.Lock()
         self._busy_until = 0.0  # emulation: when the virtual host finishes its queued work
 
-    def submit(self, weights: ExpertWeights, x: torch.Tensor) -> Future[torch.Tensor]:
+    def submit(
+        self, weights: ExpertWeights, x: torch.Tensor, activation: bool = False, share: float = 1.0
+    ) -> Future[torch.Tensor]:
+        """The expert's output on x's device; `activation`: only its gate/up half (a split expert), which
+        takes `share` of the whole expert's time."""
         self.stats.host_experts += 1
         self.stats.host_tokens += x.shape[0]
+        self.stats.host_split_experts += activation
         finish = None
         if self._emulated_seconds is not None:
-            seconds = self._emulated_seconds(x.shape[0])
+            seconds = share * self._emulated_seconds(x.shape[0])
             with self._lock:
                 start = max(time.perf_counter(), self._busy_until)
                 self._busy_until = finish = start + seconds
             self.stats.host_busy_seconds += seconds
-        return self._pool.submit(self._run, weights, x, finish)
+        return self._pool.submit(self._run, weights, x, finish, activation)
 
     def backlog_seconds(self) -> float:
         """Emulated work queued ahead of a job submitted now (0 on a real host: not tracked)."""
         return max(0.0, self._busy_until - time.perf_counter())
 
-    def _run(self, weights: ExpertWeights, x: torch.Tensor, finish: float | None) -> torch.Tensor:
+    def _run(self, weights: ExpertWeights, x: torch.Tensor, finish: float | None, activation: bool) -> torch.Tensor:
         start = time.perf_counter()
-        y = expert_forward(x.to("cpu"), weights)
+        y = expert_activation(x.to("cpu"), weights.gate_up) if activation else expert_forward(x.to("cpu"), weights)
         if finish is None:
             self.stats.host_busy_seconds += time.perf_counter() - start
         else:

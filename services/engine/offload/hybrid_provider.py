@@ -1,16 +1,22 @@
 """The hybrid provider: the offloaded provider whose misses a placement may leave on the host, computed there
-by a host executor, plus experts pinned on the device for the whole run (static placements)."""
+by a host executor, or split between host and device (offload/split_experts.py), plus experts pinned on the
+device for the whole run (static placements)."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 
 import torch
 
+from services.engine.expert_provider import LayerPlan
 from services.engine.offload.host_store import Key
 from services.engine.offload.link import ReadyEvent
 from services.engine.offload.placement import Placement
+from services.engine.offload.prefetch.base import PrefetchRequest
 from services.engine.offload.provider import OffloadedExpertProvider
+from services.engine.offload.split_experts import DownStaging
+from services.engine.offload.transfer_engine import Transfer
 from services.engine.step_context import StepContext
 
 
@@ -30,7 +36,7 @@ class Landed(ReadyEvent):
 class HybridExpertProvider(OffloadedExpertProvider):
     def __init__(
         self, *args, executor, placement: Placement, pinned: list[Key] = (), prefetch_floor: float = 0.0,
-        prefetch_depth: int = 0, **kwargs
+        prefetch_depth: int = 0, experts_per_layer: int = 0, **kwargs
     ) -> None:  # type: ignore[assignment]
         super().__init__(*args, **kwargs)
         self.prefetch_floor = prefetch_floor
@@ -38,19 +44,47 @@ class HybridExpertProvider(OffloadedExpertProvider):
         self.executor = executor
         self.placement = placement
         self._tokens: dict[int, int] = {}
+        self.split_prices = getattr(placement, "split_prices", None)
+        self.staging = None
+        if self.split_prices is not None:
+            device = self.cache.storage[0].device if len(self.cache.slots) else "cpu"
+            self.staging = DownStaging(self.store.layout, device, capacity=experts_per_layer)
+        self._split: dict[int, tuple[int, Transfer]] = {}  # this layer's split experts: staging buffer, down
         self.pinned = set(pinned)
         for key in pinned:
             self._pin_for_good(key)
 
+    def begin_layer(
+        self, layer: int, experts: list[int], ctx: StepContext, tokens: list[int] | None = None
+    ) -> LayerPlan:
+        plan = super().begin_layer(layer, experts, ctx, tokens)
+        if self.prefetch_depth > 0 and not ctx.is_prefill:
+            self._fill_hot_set(layer, ctx)
+        return plan
+
+    def _fill_hot_set(self, layer: int, ctx: StepContext) -> None:
+        """Misses are computed on the host or split, so nothing would ever be cached: the link's remaining
+        slack brings in the eviction policy's hot set (an online KTransformers), nearest layers first."""
+        hot = getattr(self.cache.eviction, "hot", None)
+        if not hot:
+            return
+        num_layers = len(self.stats.hits)
+        requests = [
+            PrefetchRequest(target, e, 1.0 / ((target - layer - 1) % num_layers + 1), next_step=target <= layer)
+            for target, e in hot if self.cache.lookup((target, e)) is None
+        ]
+        if requests:
+            self._issue_prefetches(requests, ctx)
+
     def _place_misses(
         self, layer: int, experts: list[int], tokens: list[int] | None, misses: list[int], inflight: list[int],
         ctx: StepContext,
-    ) -> tuple[list[int], list[int], list[int]]:
+    ) -> tuple[list[int], list[int], list[int], list[int]]:
         """An expert still on the link is weighed like a miss: a prefetch whose copy has not started costs
         the whole link time plus the queue ahead (it is taken off the link if the host computes it), one
         being copied costs what is left of it, which the host may still beat."""
         if not misses and not inflight:
-            return misses, inflight, []
+            return misses, inflight, [], []
         link = getattr(self.placement, "costs", None)
         unstarted, landing = [], {}
         for e in inflight:
@@ -62,15 +96,27 @@ class HybridExpertProvider(OffloadedExpertProvider):
         self._tokens.clear()
         self._tokens.update(zip(experts, tokens or [1] * len(experts)))
         started = [e for e in inflight if e not in unstarted]
-        fetch, host = self.placement.split(
+        fetch, host, split = self.placement.place(
             misses + unstarted + started, self._tokens, ctx, self.executor.backlog_seconds(), self._link_backlog(),
             landing,
         )
-        waiting = [e for e in inflight if e not in host]
-        for expert in host:
+        waiting = [e for e in inflight if e not in host and e not in split]
+        for expert in host + split:
             if expert in unstarted:
                 self._drop_unstarted((layer, expert))
-        return [e for e in fetch if e in misses], waiting, host
+        for expert in split:
+            self._fetch_down((layer, expert))
+        return [e for e in fetch if e in misses], waiting, host, split
+
+    def _fetch_down(self, key: Key) -> None:
+        """A split expert's down matrix to a staging buffer, as a demand (it is needed this layer)."""
+        index = self.staging.acquire()  # type: ignore[union-attr]
+        down = self.store.layout.chunks(self.store.buffers[key])[1]
+        event = self.transfers.link.new_event()
+        transfer = Transfer(key, [(self.staging.buffers[index], down)], event, True, float("inf"), (0, 0),  # type: ignore
+                            fence=self.staging.fences[index], chunk_offset=1)  # type: ignore[union-attr]
+        self.transfers.submit(transfer)
+        self._split[key[1]] = (index, transfer)
 
     def _drop_unstarted(self, key: Key) -> None:
         """A prefetch the host computes instead: take it off the link, so it serves the next one."""
@@ -106,6 +152,31 @@ class HybridExpertProvider(OffloadedExpertProvider):
 
     def host_forward(self, layer: int, expert: int, x: torch.Tensor) -> Future[torch.Tensor]:
         return self.executor.submit(self.store.weights((layer, expert)), x)
+
+    def host_activation(self, layer: int, expert: int, x: torch.Tensor) -> Future[torch.Tensor]:
+        share = self.split_prices.host  # type: ignore[union-attr]
+        return self.executor.submit(self.store.weights((layer, expert)), x, activation=True, share=share)
+
+    def get_down(self, layer: int, expert: int) -> torch.Tensor:
+        index, transfer = self._split[expert]
+        event = transfer.event
+        if event.is_ready():
+            event.wait()  # CUDA: orders the compute stream after the copy
+        else:
+            start = time.perf_counter()
+            event.wait()
+            self.stats.blocking_seconds += time.perf_counter() - start
+        return self.staging.down(index)  # type: ignore[union-attr]
+
+    def end_layer(self, layer: int, ctx: StepContext) -> None:
+        super().end_layer(layer, ctx)
+        for index, _ in self._split.values():
+            self.staging.release(index, self._fence() if self._fence is not None else None)  # type: ignore
+        self._split.clear()
+
+    @property
+    def device_bytes(self) -> int:
+        return super().device_bytes + (self.staging.nbytes if self.staging is not None else 0)
 
     def close(self) -> None:
         super().close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from services.engine.offload.cost_model import PlacementCosts
 from services.engine.offload.host_store import Key
-from services.engine.offload.placement import CostPlacement, HostPlacement, Placement
+from services.engine.offload.placement import CostPlacement, HostPlacement, Placement, SplitPrices
 from services.engine.offload.policies import OffloadPolicy
 from services.engine.offload.routing_trace import RoutingTrace
 
@@ -40,10 +40,13 @@ def hybrid_slots(policy: OffloadPolicy, slots: int, pinned: list[Key]) -> int:
     return len(pinned) if policy.placement == "host" else slots
 
 
-def make_placement(policy: OffloadPolicy, costs: PlacementCosts | None) -> Placement:
+def make_placement(
+    policy: OffloadPolicy, costs: PlacementCosts | None, split: SplitPrices | None = None
+) -> Placement:
+    """`split`: what a split expert costs each side, where the expert format can split (None: it cannot)."""
     if policy.placement == "host":
         return HostPlacement()
     if policy.placement == "cost":
         assert costs is not None
-        return CostPlacement(costs, policy.rules.stream_prefill)
+        return CostPlacement(costs, policy.rules.stream_prefill, split if policy.split_experts else None)
     raise ValueError(f"unknown placement {policy.placement!r}")

@@ -25,6 +25,7 @@ class OffloadPolicy:
     pinned: str = ""  # experts on the device for good: nothing | late-layers | hot (see offload/hybrid_setup.py)
     prefetch_floor: float = 0.0  # hybrid: prefetch only guesses this likely; the rest stay on the host
     prefetch_depth: int = 0  # hybrid: prefetches on the link at once (0: no limit)
+    split_experts: bool = False  # cost placement may split a miss: gate/up on the host, down over the link
 
 
 POLICIES: dict[str, OffloadPolicy] = {
@@ -68,7 +69,7 @@ POLICIES: dict[str, OffloadPolicy] = {
                       "link's slack, into slots outside the hot set; each remaining miss computed on the host "
                       "when that beats fetching or waiting for it (Fiddler's rule, weighing what is on the link)",
                       eviction="hot-set", prefetchers=("speculative", "hints"), predictor="expert-map",
-                      placement="cost", prefetch_floor=0.5, prefetch_depth=2),
+                      placement="cost", prefetch_floor=0.8, prefetch_depth=2, split_experts=True),
     )
 }
 

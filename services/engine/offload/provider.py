@@ -89,7 +89,7 @@ class OffloadedExpertProvider(ExpertProvider):
             else:
                 inflight.append(expert)
                 self.stats.inflight_hits[layer] += 1
-        misses, inflight, host = self._place_misses(layer, experts, tokens, misses, inflight, ctx)
+        misses, inflight, host, split = self._place_misses(layer, experts, tokens, misses, inflight, ctx)
         for expert in inflight:
             self.transfers.promote(self.cache.lookup((layer, expert)).transfer)  # type: ignore[union-attr,arg-type]
         self._pending = deque(misses)
@@ -100,7 +100,7 @@ class OffloadedExpertProvider(ExpertProvider):
             for prefetcher in self.prefetchers:
                 self._issue_prefetches(prefetcher.plan(layer, ctx), ctx)
         self._track_peak()
-        return LayerPlan(hits + inflight + misses, host)
+        return LayerPlan(hits + inflight + misses, host, split)
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         self._finish_current()
@@ -152,10 +152,10 @@ class OffloadedExpertProvider(ExpertProvider):
     def _place_misses(
         self, layer: int, experts: list[int], tokens: list[int] | None, misses: list[int], inflight: list[int],
         ctx: StepContext,
-    ) -> tuple[list[int], list[int], list[int]]:
-        """(misses to fetch, in-flight experts to wait for, experts to compute on the host): transfer-only
-        policies fetch and wait for every one."""
-        return misses, inflight, []
+    ) -> tuple[list[int], list[int], list[int], list[int]]:
+        """(misses to fetch, in-flight experts to wait for, experts to compute on the host, experts to split
+        between the two): transfer-only policies fetch and wait for every one."""
+        return misses, inflight, [], []
 
     # ---- demand ----
     def _pin(self, slot: Slot) -> None:

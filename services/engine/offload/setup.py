@@ -32,6 +32,7 @@ from services.engine.offload.prefetch.hints import HintPrefetcher, HintStats
 from services.engine.offload.provider import OffloadedExpertProvider
 from services.engine.offload.routing_trace import RoutingTrace
 from services.engine.offload.settings import OffloadSettings
+from services.engine.offload.split_experts import layout_split_prices
 from services.engine.offload.stats import OffloadStats
 from services.engine.offload.transfer_engine import TransferEngine
 from services.engine.quant.layout import config_expert_layout
@@ -145,7 +146,7 @@ def build_expert_provider(
              costs.device(1) * 1e3, costs.host(1) * 1e3, costs.link * 1e3)
     return HybridExpertProvider(
         *parts, stream_slots=spec.top_k, fence=fence, pinned=pinned, prefetch_floor=settings.policy.prefetch_floor,
-        prefetch_depth=settings.policy.prefetch_depth,
-        placement=make_placement(settings.policy, costs),
+        prefetch_depth=settings.policy.prefetch_depth, experts_per_layer=spec.num_experts,
+        placement=make_placement(settings.policy, costs, layout_split_prices(store.layout)),
         executor=HostExecutor(settings.host_threads, stats, emulated),
     )

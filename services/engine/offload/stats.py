@@ -29,6 +29,7 @@ class OffloadStats:
     hints_late: int = 0
     host_experts: int = 0  # expert computations the host executor ran (hybrid policies)
     host_tokens: int = 0  # tokens those computations covered
+    host_split_experts: int = 0  # of those, gate/up halves of split experts (down computed on the device)
     host_busy_seconds: float = 0.0  # host executor busy time (emulated: the emulated host's)
 
     def __post_init__(self) -> None:
@@ -79,6 +80,7 @@ class OffloadStats:
             offload_hints_late_total=float(self.hints_late),
             offload_host_compute_experts_total=float(self.host_experts),
             offload_host_compute_tokens_total=float(self.host_tokens),
+            offload_host_compute_split_experts_total=float(self.host_split_experts),
             offload_host_compute_busy_seconds_total=self.host_busy_seconds,
         )
         return out

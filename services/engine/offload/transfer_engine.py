@@ -39,6 +39,7 @@ class Transfer:
     state: TransferState = TransferState.QUEUED
     next_chunk: int = 0
     version: int = 0  # bumped on promotion; older heap entries are skipped
+    chunk_offset: int = 0  # the layout's index of the first chunk moved (a split expert moves down only)
     nbytes: int = field(default=0)
 
 
