@@ -224,3 +224,15 @@ def test_split_experts_keep_tokens_and_free_their_staging(reference) -> None:
     assert provider.stats.host_split_experts > 0
     assert stats["offload_host_compute_split_experts_total"] == provider.stats.host_split_experts
     assert len(provider.staging._free) == len(provider.staging.buffers)  # every staging buffer back
+
+
+def test_a_splitting_policy_pays_for_its_staging_out_of_the_cache_budget() -> None:
+    from services.engine.offload.hybrid_setup import hybrid_slots
+    from services.engine.offload.policies import get_policy
+    from services.engine.offload.split_experts import split_prices
+
+    third = split_prices((200, 100), dense=True)
+    # Eight down matrices of a third of an expert each: three slots' worth.
+    assert hybrid_slots(get_policy("hintserve"), 55, [], third, num_experts=8) == 52
+    assert hybrid_slots(get_policy("fiddler"), 55, [], third, num_experts=8) == 55
+    assert hybrid_slots(get_policy("hintserve"), 55, [], None, num_experts=8) == 55  # packed: no split

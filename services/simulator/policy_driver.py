@@ -137,8 +137,10 @@ def build_offload(
         _router_model(workload.trace.model) if "speculative" in policy.prefetchers else (spec, None)
     )
     pinned = pinned_experts(policy, spec, slots, RoutingTrace.load(trace_path) if policy.needs_trace else None)
+    split = split_prices(spec.expert_chunk_bytes, dense=spec.expert_precision.bits >= 16)
     if is_hybrid(policy):
-        settings = replace(settings, slots=hybrid_slots(policy, 0 if policy.pinned == "nothing" else slots, pinned))
+        budget = 0 if policy.pinned == "nothing" else slots
+        settings = replace(settings, slots=hybrid_slots(policy, budget, pinned, split, spec.num_experts))
         slots = settings.slots
     stats_type = HintStats if "hints" in policy.prefetchers else OffloadStats
     stats = stats_type(spec.num_layers, slots_total=slots, expert_bytes=spec.expert_bytes)
@@ -154,7 +156,6 @@ def build_offload(
     else:
         assert cost is not None, "hybrid policies price the host: pass the cost model"
         host = SimHostExecutor(cost, clock, stats)
-        split = split_prices(spec.expert_chunk_bytes, dense=spec.expert_precision.bits >= 16)
         provider = HybridExpertProvider(
             *parts, stream_slots=spec.top_k, executor=host, pinned=pinned, prefetch_floor=policy.prefetch_floor,
             prefetch_depth=policy.prefetch_depth, experts_per_layer=spec.num_experts,

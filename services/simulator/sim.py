@@ -225,10 +225,12 @@ def _result(
     stats = offload.provider.stats if offload else None
     per_token = max(1, decode.tokens)
     kv_bytes = log.peak_kv_tokens * spec.kv_bytes_per_token * spec.num_layers
-    memory = spec.non_expert_bytes + log.peak_slots * spec.expert_bytes + kv_bytes
+    staging = getattr(offload.provider, "staging", None) if offload else None  # split experts' down matrices
+    staging_bytes = len(staging.buffers) * spec.expert_chunk_bytes[1] if staging is not None else 0
+    memory = spec.non_expert_bytes + log.peak_slots * spec.expert_bytes + staging_bytes + kv_bytes
     return SimResult(
         policy=policy.name,
-        cache_gb=slots * spec.expert_bytes / 1e9,
+        cache_gb=slots * spec.expert_bytes / 1e9,  # the budget; a split policy's staging comes out of it
         cache_slots=slots,
         ttft_ms=log.ttft_ms() if workload.has_prefill else None,
         tpot_ms=log.tpot_ms(),

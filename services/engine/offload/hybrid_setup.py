@@ -3,6 +3,8 @@ the host executor. Shared by the engine (offload/setup.py) and the simulator (si
 
 from __future__ import annotations
 
+import math
+
 from services.engine.offload.cost_model import PlacementCosts
 from services.engine.offload.host_store import Key
 from services.engine.offload.placement import CostPlacement, HostPlacement, Placement, SplitPrices
@@ -35,9 +37,17 @@ def pinned_experts(policy: OffloadPolicy, spec, slots: int, trace: RoutingTrace 
     raise ValueError(f"unknown pinned set {policy.pinned!r}")
 
 
-def hybrid_slots(policy: OffloadPolicy, slots: int, pinned: list[Key]) -> int:
-    """Device slots a hybrid policy allocates: a host-only placement needs no more than its pinned set."""
-    return len(pinned) if policy.placement == "host" else slots
+def hybrid_slots(
+    policy: OffloadPolicy, slots: int, pinned: list[Key], split: SplitPrices | None = None, num_experts: int = 0
+) -> int:
+    """Device slots a hybrid policy allocates: a host-only placement needs no more than its pinned set; one
+    that splits experts gives up the slots its down-matrix staging takes (one per expert of a layer), so
+    every policy holds the same expert bytes for the same budget."""
+    if policy.placement == "host":
+        return len(pinned)
+    if policy.split_experts and split is not None:
+        return max(0, slots - math.ceil(num_experts * split.link))
+    return slots
 
 
 def make_placement(

@@ -122,8 +122,9 @@ def build_expert_provider(
     store = HostExpertStore(reader, spec, pin=cuda, layout=layout)
     pinned = pinned_experts(settings.policy, spec, settings.slots,
                             _trace(settings, settings.policy.name) if settings.policy.needs_trace else None)
+    split = layout_split_prices(store.layout)
     if is_hybrid(settings.policy):
-        settings = replace(settings, slots=hybrid_slots(settings.policy, settings.slots, pinned))
+        settings = replace(settings, slots=hybrid_slots(settings.policy, settings.slots, pinned, split, spec.num_experts))
     slots = settings.slots
     eviction = make_eviction(settings, spec)
     stats_type = HintStats if "hints" in settings.policy.prefetchers else OffloadStats
@@ -147,6 +148,6 @@ def build_expert_provider(
     return HybridExpertProvider(
         *parts, stream_slots=spec.top_k, fence=fence, pinned=pinned, prefetch_floor=settings.policy.prefetch_floor,
         prefetch_depth=settings.policy.prefetch_depth, experts_per_layer=spec.num_experts,
-        placement=make_placement(settings.policy, costs, layout_split_prices(store.layout)),
+        placement=make_placement(settings.policy, costs, split),
         executor=HostExecutor(settings.host_threads, stats, emulated),
     )
