@@ -236,3 +236,12 @@ def test_a_splitting_policy_pays_for_its_staging_out_of_the_cache_budget() -> No
     assert hybrid_slots(get_policy("hintserve"), 55, [], third, num_experts=8) == 52
     assert hybrid_slots(get_policy("fiddler"), 55, [], third, num_experts=8) == 55
     assert hybrid_slots(get_policy("hintserve"), 55, [], None, num_experts=8) == 55  # packed: no split
+
+
+@pytest.mark.parametrize("slots", [0, 1, 3])
+def test_hintserve_on_a_cache_its_layer_pins_whole_keeps_tokens(reference, slots: int) -> None:
+    # Staging takes its share first; a miss with no slot left to land in is computed on the host.
+    tokens, expected, provider, _ = _run(reference, "hintserve", expert_cache_experts=slots + 3, link_ratio=30.0,
+                                         host_ratio=20.0)
+    assert tokens == expected
+    assert provider.cache.num_slots <= slots

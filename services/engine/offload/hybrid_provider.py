@@ -100,10 +100,14 @@ class HybridExpertProvider(OffloadedExpertProvider):
             misses + unstarted + started, self._tokens, ctx, self.executor.backlog_seconds(), self._link_backlog(),
             landing,
         )
+        if not self.cache.slots:  # a budget the staging took whole: nothing can be fetched
+            fetch, host = [], host + [e for e in fetch if e in misses]
         waiting = [e for e in inflight if e not in host and e not in split]
         for expert in host + split:
             if expert in unstarted:
                 self._drop_unstarted((layer, expert))
+            elif expert in started:
+                self._unpin((layer, expert))  # lands for later use; this layer's fetches may need its slot
         for expert in split:
             self._fetch_down((layer, expert))
         return [e for e in fetch if e in misses], waiting, host, split
@@ -123,10 +127,14 @@ class HybridExpertProvider(OffloadedExpertProvider):
         slot = self.cache.lookup(key)
         if slot is None or not self.transfers.cancel(slot.transfer):  # type: ignore[arg-type]
             return
-        slot.pins -= 1
-        self._pinned.remove(slot)
+        self._unpin(key)
         self.cache.release(slot)
         self.stats.prefetches_cancelled += 1
+
+    def _unpin(self, key: Key) -> None:
+        slot = self.cache.lookup(key)
+        slot.pins -= 1  # type: ignore[union-attr]
+        self._pinned.remove(slot)  # type: ignore[arg-type]
 
     def _link_backlog(self) -> float:
         """What a demand fetch queues behind: demands still loading, and a prefetch chunk on the link (a
