@@ -8,6 +8,7 @@ import torch
 from services.engine.config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine.offload.policies import POLICIES
+from services.engine.offload.routing_trace import RoutingTrace
 from services.engine.sampling_params import SamplingParams
 from tests.tiny_models import VOCAB
 
@@ -61,26 +62,32 @@ def test_copy_stream_overlaps_compute() -> None:
 
 
 @pytest.fixture(scope="module")
-def cuda_reference(tiny_model_dirs):
+def cuda_reference(tiny_model_dirs, tmp_path_factory):
     model_dir = tiny_model_dirs["mixtral"]
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (9, 31, 4)]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     engine = LLMEngine(EngineConfig(model=model_dir, device="cuda", dtype="float32"))
-    return model_dir, prompts, params, engine.generate(prompts, params)
+    trace = RoutingTrace(engine.spec.num_layers)  # the hot sets of ktransformers and fiddler
+    engine.runner.step_observers.append(trace)
+    expected = engine.generate(prompts, params)
+    path = str(tmp_path_factory.mktemp("trace") / "trace.json")
+    trace.save(path)
+    return model_dir, prompts, params, expected, path
 
 
 @pytest.mark.parametrize("policy", [p for p in POLICIES if p not in ("resident", "oracle", "belady")])
 def test_native_link_is_token_identical(cuda_reference, policy: str) -> None:
-    model_dir, prompts, params, expected = cuda_reference
+    model_dir, prompts, params, expected, trace = cuda_reference
     engine = LLMEngine(EngineConfig(
         model=model_dir, device="cuda", dtype="float32", offload_policy=policy, link="native",
-        expert_cache_fraction=0.25,
+        expert_cache_fraction=0.25, routing_trace=trace,
     ))
     try:
         assert engine.generate(prompts, params) == expected
         stats = engine.model.experts.stats
-        assert stats.bytes_demand + stats.bytes_prefetch > 0
+        if POLICIES[policy].placement != "host":  # static placements copy their set once, outside the counters
+            assert stats.bytes_demand + stats.bytes_prefetch > 0
         assert engine.model.experts.cache.storage.is_cuda
         assert all(buf.is_pinned() for buf in engine.model.experts.store.buffers.values())
     finally:
