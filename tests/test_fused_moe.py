@@ -10,6 +10,7 @@ from services.engine.expert_provider import ExpertWeights, ResidentExpertProvide
 from services.engine.llm_engine import LLMEngine
 from services.engine.models.fused_moe import StackedExperts, fused_moe_forward, stackable
 from services.engine.models.moe import moe_forward
+from services.engine.models.packed_linear import packing_supported
 from services.engine.models.router import softmax_topk
 from services.engine.sampling_params import SamplingParams
 from services.engine.step_context import Phase, StepContext
@@ -28,11 +29,13 @@ def _experts(dtype: torch.dtype) -> list[ExpertWeights]:
     ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "pack"), [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)])
 @pytest.mark.parametrize("tokens", [1, 3, 16, 33, 200])
-def test_fused_matches_per_expert(dtype: torch.dtype, tokens: int) -> None:
+def test_fused_matches_per_expert(dtype: torch.dtype, pack: bool, tokens: int) -> None:
+    """Grouped GEMMs, and (CPU fp32) the oneDNN-prepacked experts, against one matmul pair per expert."""
     experts = _experts(dtype)
-    stacked = StackedExperts.stack(experts)
+    stacked = StackedExperts.stack(experts, pack=pack and packing_supported("cpu", dtype))
+    assert bool(stacked.packed) == (pack and packing_supported("cpu", dtype))
     provider = ResidentExpertProvider([[stacked.expert(e) for e in range(EXPERTS)]])
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, HIDDEN, generator=g).to(dtype)

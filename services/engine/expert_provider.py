@@ -110,4 +110,5 @@ class ResidentExpertProvider(ExpertProvider):
 
     @property
     def device_bytes(self) -> int:
-        return sum(w.nbytes for layer in self._experts if layer for w in layer)
+        packed = sum(s.packed_bytes for s in self._stacked if s is not None)  # oneDNN's copies (CPU fp32)
+        return sum(w.nbytes for layer in self._experts if layer for w in layer) + packed

@@ -80,20 +80,20 @@ class ModelRunner:
         return self._tensor(input_ids), self._tensor(positions), meta, self._tensor(last)
 
     def _prepare_decode(self, seqs: list[Sequence]):
-        bm = self.block_manager
-        bs = bm.block_size
+        bs = self.block_manager.block_size
         positions = [len(s) - 1 for s in seqs]
-        context_lens = self._tensor([len(s) for s in seqs])
+        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
         max_blocks = max(len(s.block_table) for s in seqs)
         tables = self._tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs])
-        max_len = max(len(s) for s in seqs)
-        offsets = torch.arange(max_len, device=self.device)
-        context_slots = tables[:, offsets // bs] * bs + offsets % bs
-        mask = (offsets[None, :] < context_lens[:, None])[:, None, None, :]
+        offsets = torch.arange(max_blocks * bs, device=self.device)
+        context_slots = (tables[:, :, None] * bs + offsets[:bs]).view(len(seqs), -1)
+        mask = (offsets[None, :] <= self._tensor(positions)[:, None])[:, None, None, :]
         meta = AttentionMetadata(
             is_prefill=False,
-            slot_mapping=context_slots[torch.arange(len(seqs), device=self.device), context_lens - 1],
+            slot_mapping=self._tensor(slots),
             seq_lens=[1] * len(seqs),
+            block_tables=tables,
+            block_size=bs,
             context_slots=context_slots,
             context_mask=mask,
         )

@@ -16,9 +16,11 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens]: KV-cache slot each new token writes
     # Prefill: each sequence's tokens are contiguous in the batch and attend causally to themselves.
     seq_lens: list[int]
-    # Decode: one token per sequence; context gathered from the cache through these slot ids.
-    context_slots: torch.Tensor | None = None  # [batch, max_context]
-    context_mask: torch.Tensor | None = None  # [batch, 1, 1, max_context] True where attended
+    # Decode: one token per sequence; context gathered from the cache by whole blocks (padded to a block).
+    block_tables: torch.Tensor | None = None  # [batch, max_blocks]
+    block_size: int = 0
+    context_slots: torch.Tensor | None = None  # [batch, max_blocks * block_size]: the same, slot by slot (MLA)
+    context_mask: torch.Tensor | None = None  # [batch, 1, 1, max_blocks * block_size] True where attended
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -39,8 +41,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
 ) -> None:
-    k_cache.index_copy_(0, slots, k)
-    v_cache.index_copy_(0, slots, v)
+    """Caches are head-major, [kv_heads, slots, head_dim]: a decode step gathers [kv_heads, batch, context,
+    head_dim] with one copy, already in the layout its batched GEMMs read (slot-major needed a permute too)."""
+    k_cache.index_copy_(1, slots, k.transpose(0, 1))
+    v_cache.index_copy_(1, slots, v.transpose(0, 1))
 
 
 def prefill_attention(
@@ -66,20 +70,24 @@ def decode_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q: [B, Hq, D], one new token per sequence; keys and values gathered from the paged cache.
+    """q: [B, Hq, D], one new token per sequence; keys and values gathered from the paged cache by block.
 
-    Two batched GEMMs over (sequence, kv head) with each kv head's query group as the rows: on CPU this is
+    Two batched GEMMs over (kv head, sequence) with each kv head's query group as the rows: on CPU this is
     several times faster than SDPA's kernel for a single query row.
     """
-    slots = meta.context_slots  # [B, L]
-    batch, length = slots.shape  # type: ignore[union-attr]
-    kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    tables = meta.block_tables.flatten()  # type: ignore[union-attr]
+    batch = q.shape[0]
+    kv_heads, _, head_dim = k_cache.shape
     group = q.shape[1] // kv_heads
-    keys = k_cache[slots].permute(0, 2, 3, 1).reshape(batch * kv_heads, head_dim, length)
-    values = v_cache[slots].transpose(1, 2).reshape(batch * kv_heads, length, head_dim)
+    width = meta.block_size * head_dim
+    keys = k_cache.view(kv_heads, -1, width).index_select(1, tables).view(kv_heads * batch, -1, head_dim)
+    values = v_cache.view(kv_heads, -1, width).index_select(1, tables).view(kv_heads * batch, -1, head_dim)
+    length = keys.shape[1]
     bias = torch.zeros(batch, length, dtype=q.dtype, device=q.device)
-    bias.masked_fill_(~meta.context_mask.reshape(batch, length), float("-inf"))  # type: ignore[union-attr]
-    bias = bias.repeat_interleave(kv_heads, dim=0)[:, None, :].expand(batch * kv_heads, group, length)
-    scores = torch.baddbmm(bias, q.reshape(batch * kv_heads, group, head_dim), keys, alpha=scale)
+    bias.masked_fill_(~meta.context_mask.view(batch, length), float("-inf"))  # type: ignore[union-attr]
+    bias = bias.repeat(kv_heads, 1)[:, None, :].expand(kv_heads * batch, group, length)
+    queries = q.view(batch, kv_heads, group, head_dim).transpose(0, 1).reshape(kv_heads * batch, group, head_dim)
+    scores = torch.baddbmm(bias, queries, keys.transpose(1, 2), alpha=scale)
     probs = scores.float().softmax(dim=-1).to(q.dtype)
-    return torch.bmm(probs, values).view(batch, kv_heads * group, head_dim)
+    out = torch.bmm(probs, values).view(kv_heads, batch, group, head_dim).transpose(0, 1)
+    return out.reshape(batch, kv_heads * group, head_dim)

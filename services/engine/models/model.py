@@ -17,6 +17,7 @@ from services.engine.models.attention import (
 from services.engine.models.fused_moe import fused_moe_forward
 from services.engine.models.mla_attention import mla_attention
 from services.engine.models.moe import moe_forward, swiglu
+from services.engine.models.packed_linear import PackedLinear, packing_supported
 from services.engine.models.router import route
 from services.engine.models.spec import ModelSpec
 from services.engine.models.weights import AttentionWeights, LayerWeights, MlaWeights, NonExpertWeights
@@ -46,6 +47,21 @@ class MoECausalLM:
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
         self.latent_caches: list[torch.Tensor] = []  # MLA: [slots, kv_lora_rank + qk_rope_head_dim] per layer
+        pack = packing_supported(str(device), dtype)
+        self.lm_head = PackedLinear(weights.lm_head, None, pack, min_rows=1)  # 8000 x 256: packed wins at 1 row
+        # q, k and v as one GEMM (split by views after), and o: per layer, None for MLA layers.
+        self.qkv: list[PackedLinear | None] = []
+        self.o: list[PackedLinear | None] = []
+        for layer in weights.layers:
+            a = layer.attention
+            if not isinstance(a, AttentionWeights):
+                self.qkv.append(None)
+                self.o.append(None)
+                continue
+            self.qkv.append(PackedLinear(torch.cat((a.q, a.k, a.v)), _cat_biases(a), pack))
+            self.o.append(PackedLinear(a.o, a.o_bias, pack))
+        self.qkv_sizes = (spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim,
+                          spec.num_kv_heads * spec.head_dim)
 
     def allocate_kv_cache(self, num_slots: int) -> None:
         e, layers = self.w.embed, range(self.spec.num_layers)
@@ -53,7 +69,7 @@ class MoECausalLM:
             shape: tuple[int, ...] = (num_slots, self.spec.mla.latent_width)
             self.latent_caches = [torch.zeros(shape, dtype=e.dtype, device=e.device) for _ in layers]
             return
-        shape = (num_slots, self.spec.num_kv_heads, self.spec.head_dim)
+        shape = (self.spec.num_kv_heads, num_slots, self.spec.head_dim)  # head-major: see write_kv
         self.k_caches = [torch.zeros(shape, dtype=e.dtype, device=e.device) for _ in layers]
         self.v_caches = [torch.zeros(shape, dtype=e.dtype, device=e.device) for _ in layers]
 
@@ -85,7 +101,7 @@ class MoECausalLM:
         return rms_norm(h, self.w.final_norm, spec.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.w.lm_head).float()
+        return self.lm_head(hidden).float()
 
     def _attention(
         self,
@@ -97,7 +113,7 @@ class MoECausalLM:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         spec = self.spec
-        q, k, v = F.linear(x, a.q, a.q_bias), F.linear(x, a.k, a.k_bias), F.linear(x, a.v, a.v_bias)
+        q, k, v = self.qkv[i](x).split(self.qkv_sizes, dim=-1)  # type: ignore[misc]
         if spec.qk_norm == "full":  # OLMoE normalises the whole projection before splitting heads
             q = rms_norm(q, a.q_norm, spec.rms_norm_eps)
             k = rms_norm(k, a.k_norm, spec.rms_norm_eps)
@@ -116,7 +132,7 @@ class MoECausalLM:
             out = prefill_attention(q, k, v, meta.seq_lens, self.scale)
         else:
             out = decode_attention(q, self.k_caches[i], self.v_caches[i], meta, self.scale)
-        return F.linear(out.reshape(tokens, -1), a.o, a.o_bias)
+        return self.o[i](out.reshape(tokens, -1))  # type: ignore[misc]
 
     def _mlp(self, i: int, layer: LayerWeights, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         if layer.dense_mlp is not None:
@@ -133,3 +149,12 @@ class MoECausalLM:
                 shared = torch.sigmoid(F.linear(x, layer.shared_expert_gate)) * shared
             out = out + shared
         return out
+
+
+def _cat_biases(a: AttentionWeights) -> torch.Tensor | None:
+    """q, k and v biases as one (zeros for any a family leaves out), or None when none has one."""
+    if a.q_bias is None and a.k_bias is None and a.v_bias is None:
+        return None
+    parts = [b if b is not None else w.new_zeros(w.shape[0]) for w, b in ((a.q, a.q_bias), (a.k, a.k_bias),
+                                                                        (a.v, a.v_bias))]
+    return torch.cat(parts)

@@ -1,0 +1,27 @@
+"""oneDNN-prepacked linears (CPU fp32) against F.linear, on both sides of the row threshold."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.engine.models.packed_linear import PackedLinear, packing_supported
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 17, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(rows: int, bias: bool) -> None:
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 40, generator=g)
+    b = torch.randn(96, generator=g) if bias else None
+    x = torch.randn(rows, 40, generator=g)
+    layer = PackedLinear(w, b, pack=packing_supported("cpu", torch.float32))
+    torch.testing.assert_close(layer(x), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    assert layer.extra_bytes == (w.numel() * 4 if layer.packed is not None else 0)
+
+
+def test_packing_only_where_it_pays() -> None:
+    assert not packing_supported("cpu", torch.bfloat16)
+    assert not packing_supported("cuda", torch.float32)
+    assert PackedLinear(torch.zeros(4, 4), None, pack=False).packed is None
