@@ -21,6 +21,8 @@ class AttentionMetadata:
     block_size: int = 0
     context_slots: torch.Tensor | None = None  # [batch, max_blocks * block_size]: the same, slot by slot (MLA)
     context_mask: torch.Tensor | None = None  # [batch, 1, 1, max_blocks * block_size] True where attended
+    # decode_attention's additive mask, [kv_heads * batch, 1, context]: made by the first layer, shared by all.
+    decode_bias: torch.Tensor | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -82,12 +84,13 @@ def decode_attention(
     width = meta.block_size * head_dim
     keys = k_cache.view(kv_heads, -1, width).index_select(1, tables).view(kv_heads * batch, -1, head_dim)
     values = v_cache.view(kv_heads, -1, width).index_select(1, tables).view(kv_heads * batch, -1, head_dim)
-    length = keys.shape[1]
-    bias = torch.zeros(batch, length, dtype=q.dtype, device=q.device)
-    bias.masked_fill_(~meta.context_mask.view(batch, length), float("-inf"))  # type: ignore[union-attr]
-    bias = bias.repeat(kv_heads, 1)[:, None, :].expand(kv_heads * batch, group, length)
+    if meta.decode_bias is None:
+        length = keys.shape[1]
+        bias = torch.zeros(batch, length, dtype=q.dtype, device=q.device)
+        bias.masked_fill_(~meta.context_mask.view(batch, length), float("-inf"))  # type: ignore[union-attr]
+        meta.decode_bias = bias.repeat(kv_heads, 1)[:, None, :]
     queries = q.view(batch, kv_heads, group, head_dim).transpose(0, 1).reshape(kv_heads * batch, group, head_dim)
-    scores = torch.baddbmm(bias, queries, keys.transpose(1, 2), alpha=scale)
+    scores = torch.baddbmm(meta.decode_bias, queries, keys.transpose(1, 2), alpha=scale)
     probs = scores.float().softmax(dim=-1).to(q.dtype)
     out = torch.bmm(probs, values).view(kv_heads, batch, group, head_dim).transpose(0, 1)
     return out.reshape(batch, kv_heads * group, head_dim)

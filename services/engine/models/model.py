@@ -113,20 +113,33 @@ class MoECausalLM:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         spec = self.spec
-        q, k, v = self.qkv[i](x).split(self.qkv_sizes, dim=-1)  # type: ignore[misc]
+        tokens = x.shape[0]
+        qkv = self.qkv[i](x)  # type: ignore[misc]
+        if spec.qk_norm is None and spec.clip_qkv is None:  # q and k rotated in one pass over their heads
+            q_width, kv_width, _ = self.qkv_sizes
+            qk = apply_rope(qkv[:, : q_width + kv_width].view(tokens, -1, spec.head_dim), cos, sin)
+            q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
+            v = qkv[:, q_width + kv_width :].view(tokens, spec.num_kv_heads, spec.head_dim)
+            return self._attend(i, q, k, v, meta)
+        q, k, v = qkv.split(self.qkv_sizes, dim=-1)
         if spec.qk_norm == "full":  # OLMoE normalises the whole projection before splitting heads
             q = rms_norm(q, a.q_norm, spec.rms_norm_eps)
             k = rms_norm(k, a.k_norm, spec.rms_norm_eps)
         if spec.clip_qkv is not None:
             q, k, v = (t.clamp(-spec.clip_qkv, spec.clip_qkv) for t in (q, k, v))
-        tokens = x.shape[0]
         q = q.view(tokens, spec.num_heads, spec.head_dim)
         k = k.view(tokens, spec.num_kv_heads, spec.head_dim)
         v = v.view(tokens, spec.num_kv_heads, spec.head_dim)
         if spec.qk_norm == "head":  # Qwen3 normalises each head
             q = rms_norm(q, a.q_norm, spec.rms_norm_eps)
             k = rms_norm(k, a.k_norm, spec.rms_norm_eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self._attend(i, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, meta)
+
+    def _attend(
+        self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Rotated q [T, Hq, D], k and v [T, Hkv, D] -> the layer's attention output [T, hidden]."""
+        tokens = q.shape[0]
         write_kv(self.k_caches[i], self.v_caches[i], k, v, meta.slot_mapping)
         if meta.is_prefill:
             out = prefill_attention(q, k, v, meta.seq_lens, self.scale)
