@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from services.engine.models.packed_linear import PackedLinear, packing_supported
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 17, 300])
+@pytest.mark.parametrize("rows", [1, 3, 4, 17, 65, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_f_linear(rows: int, bias: bool) -> None:
     g = torch.Generator().manual_seed(rows)
@@ -25,3 +25,13 @@ def test_packing_only_where_it_pays() -> None:
     assert not packing_supported("cpu", torch.bfloat16)
     assert not packing_supported("cuda", torch.float32)
     assert PackedLinear(torch.zeros(4, 4), None, pack=False).packed is None
+
+
+def test_rows_pad_to_few_shapes() -> None:
+    from services.engine.models.packed_linear import bucket_sizes, padded_rows
+
+    assert [padded_rows(r) for r in (1, 8, 9, 64, 65, 500, 2000)] == [1, 8, 9, 64, 72, 512, 2048]
+    assert all(padded_rows(r) >= r and padded_rows(r) <= r * 1.125 + 1 for r in range(1, 8193))
+    assert len(bucket_sizes(2048)) == 72  # oneDNN caches 1024 kernel shapes
+    layer = PackedLinear(torch.randn(8, 8), None, pack=packing_supported("cpu", torch.float32))
+    layer.warm_up(100)  # every bucket up to 100 rows runs once

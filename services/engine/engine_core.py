@@ -106,6 +106,8 @@ def run_engine_core(config: EngineConfig, requests: Connection, outputs: Connect
     """Loads the model, says ("ready", ...) and runs the loop; 1 if loading or the loop failed (said "dead")."""
     try:
         engine = LLMEngine(config, detokenize=False)
+        # Served shapes vary step to step: build every kernel now, not during the first requests (~0.5 s).
+        engine.model.warm_up(config.max_num_batched_tokens, config.max_num_seqs)
     except Exception as exc:
         log.exception("engine core failed to start")
         _say(outputs, ("dead", f"engine failed to start: {exc}", isinstance(exc, (ValueError, FileNotFoundError))))

@@ -73,6 +73,20 @@ class MoECausalLM:
         self.k_caches = [torch.zeros(shape, dtype=e.dtype, device=e.device) for _ in layers]
         self.v_caches = [torch.zeros(shape, dtype=e.dtype, device=e.device) for _ in layers]
 
+    def warm_up(self, max_tokens: int, max_seqs: int) -> None:
+        """Builds oneDNN's kernels for every row count a step can bring (see packed_linear), once per shape."""
+        linears = [lin for lin in (*self.qkv, *self.o) if lin is not None]
+        for i in range(self.spec.num_layers):
+            stacked = self.experts.stacked_experts(i) if self.spec.moe_layers[i] else None
+            linears += [lin for pair in (stacked.packed if stacked else []) for lin in pair]
+        built = set()
+        for lin in linears:
+            key = (tuple(lin.weight.shape), lin.bias is None)
+            if key not in built:
+                built.add(key)
+                lin.warm_up(max_tokens)
+        self.lm_head.warm_up(max_seqs)
+
     @property
     def kv_cache_tensors(self) -> list[torch.Tensor]:
         return [*self.k_caches, *self.v_caches, *self.latent_caches]

@@ -4,6 +4,10 @@ On this class of CPU, MKL's fp32 GEMM reaches 30-95 GFLOP/s on our small shapes;
 once at load time reaches 100-230 GFLOP/s from a few rows up (the 8000 x 256 LM head: 2.5x faster at 16 rows).
 For one or two rows oneDNN's fixed cost per call (~10 us) outweighs that on small weights, so each layer keeps
 its plain weight too and picks per call by the number of rows.
+
+oneDNN builds (JIT-compiles) a kernel per input shape on first use, about 2 ms each, and caches 1024 of them;
+MoE experts see a different row count nearly every step, so rows are padded up to a few dozen buckets
+(`padded_rows`): every shape is built once (`warm_up`, at engine start) and stays cached.
 """
 
 from __future__ import annotations
@@ -15,6 +19,20 @@ import torch.nn.functional as F
 
 # Rows from which the prepacked kernel wins on our weights (measured: below it plain mm is faster or level).
 PACKED_MIN_ROWS = 4
+
+
+def padded_rows(rows: int) -> int:
+    """The row count oneDNN runs for `rows` rows: eight buckets per power of two past 8, so at most 12.5% of
+    padding and 8 + 8 log2(max / 8) shapes (72 up to 2048 rows)."""
+    if rows <= 8:
+        return rows
+    step = 1 << ((rows - 1).bit_length() - 4)
+    return -(-rows // step) * step
+
+
+def bucket_sizes(max_rows: int, min_rows: int = 1) -> list[int]:
+    """Every padded row count from min_rows up to max_rows' bucket: the shapes `warm_up` builds."""
+    return sorted({padded_rows(r) for r in range(min_rows, max_rows + 1)})
 
 
 @functools.cache
@@ -41,9 +59,20 @@ class PackedLinear:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None) if pack else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None or x.shape[0] < self.min_rows:
+        rows = x.shape[0]
+        if self.packed is None or rows < self.min_rows:
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        padded = padded_rows(rows)
+        if padded != rows:
+            x = torch.cat((x, x.new_zeros(padded - rows, x.shape[1])))
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")[:rows]
+
+    def warm_up(self, max_rows: int) -> None:
+        """Builds oneDNN's kernel for every padded row count up to max_rows (cached per shape, not weight)."""
+        if self.packed is None:
+            return
+        for rows in bucket_sizes(max_rows, self.min_rows):
+            self(self.weight.new_zeros(rows, self.weight.shape[1]))
 
     @property
     def extra_bytes(self) -> int:
