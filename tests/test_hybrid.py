@@ -233,15 +233,41 @@ def test_a_splitting_policy_pays_for_its_staging_out_of_the_cache_budget() -> No
 
     third = split_prices((200, 100), dense=True)
     # Eight down matrices of a third of an expert each: three slots' worth.
-    assert hybrid_slots(get_policy("hintserve"), 55, [], third, num_experts=8) == 52
-    assert hybrid_slots(get_policy("fiddler"), 55, [], third, num_experts=8) == 55
-    assert hybrid_slots(get_policy("hintserve"), 55, [], None, num_experts=8) == 55  # packed: no split
+    assert hybrid_slots(get_policy("hintserve"), 55, [], third, staging=8) == 52
+    assert hybrid_slots(get_policy("fiddler"), 55, [], third, staging=8) == 55
+    assert hybrid_slots(get_policy("hintserve"), 55, [], None, staging=8) == 55  # packed: no split
 
 
-@pytest.mark.parametrize("slots", [0, 1, 3])
-def test_hintserve_on_a_cache_its_layer_pins_whole_keeps_tokens(reference, slots: int) -> None:
-    # Staging takes its share first; a miss with no slot left to land in is computed on the host.
-    tokens, expected, provider, _ = _run(reference, "hintserve", expert_cache_experts=slots + 3, link_ratio=30.0,
+@pytest.mark.parametrize("budget", [2, 3])
+def test_hintserve_on_a_cache_its_layer_pins_whole_keeps_tokens(reference, budget: int) -> None:
+    # The staging takes its share of the smallest budgets (top-k slots) first.
+    tokens, expected, provider, _ = _run(reference, "hintserve", expert_cache_experts=budget, link_ratio=30.0,
                                          host_ratio=20.0)
     assert tokens == expected
-    assert provider.cache.num_slots <= slots
+    assert provider.cache.num_slots == budget - 1
+
+
+def test_prefetch_gate_skips_a_prefetcher_whose_guesses_cost_more_than_they_save() -> None:
+    from services.engine.offload.prefetch.base import GuessTracker, Prefetcher, PrefetchRequest
+    from services.engine.offload.prefetch_gate import PrefetchGate
+
+    now = [0.0]
+
+    class Guesser(Prefetcher):
+        def __init__(self, seconds: float, precision: float) -> None:
+            self.seconds, self.tracker, self.calls = seconds, GuessTracker(precision), 0
+
+        def plan(self, layer, ctx):
+            self.calls += 1
+            now[0] += self.seconds
+            return [PrefetchRequest(1, 0, 1.0), PrefetchRequest(1, 1, 1.0)]
+
+    gate = PrefetchGate(saving_per_hit=1.0, probe_every=4, clock=lambda: now[0])
+    ctx = StepContext(Phase.DECODE, ["r"], 1)
+    slow, useful = Guesser(seconds=3.0, precision=0.5), Guesser(seconds=0.1, precision=0.5)
+    for _ in range(10):
+        gate.plan(slow, 0, ctx, lambda r: True, room=2)  # costs 3, saves 2 x 0.5 x 1 = 1
+        gate.plan(useful, 0, ctx, lambda r: True, room=2)  # costs 0.1, saves 1
+    assert useful.calls == 10
+    assert slow.calls == 2  # asked once, skipped 4 times, probed again, skipped the rest
+    assert gate.skipped_total == 8

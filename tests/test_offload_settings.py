@@ -47,7 +47,16 @@ def test_settings_resolve_policy_defaults_and_overrides(demo_model_dir: str, dem
                                        demo_spec, torch.float32)
     assert base.eviction == "hot-set" and base.prefetch_distance == 2 and base.link_ratio == 30.0
     assert base.slots == round(0.25 * demo_spec.num_moe_layers * demo_spec.num_experts)
-    assert base.predictor == PredictorSettings("expert-map", "demo-moe")
+    # A hybrid policy runs no embedded predictor (it would share the host's cores, which bound hybrid
+    # decode): hints come from a predictor service over Redis, or from one asked for by name.
+    assert base.predictor is None
+    for extra in ({"redis_url": "redis://127.0.0.1:6379"}, {"predictor": "expert-map"}):
+        hybrid = OffloadSettings.from_config(EngineConfig(model=demo_model_dir, offload_policy="hintserve", **extra),
+                                             demo_spec, torch.float32)
+        assert hybrid.predictor is not None and hybrid.predictor.name == "expert-map"
+    transfer = OffloadSettings.from_config(EngineConfig(model=demo_model_dir, offload_policy="hintserve-transfer"),
+                                           demo_spec, torch.float32)
+    assert transfer.predictor == PredictorSettings("expert-map", "demo-moe")
     config = EngineConfig(model=demo_model_dir, offload_policy="hintserve", eviction="lru", prefetch_distance=3,
                           predictor="none", link_gbps=2.5, expert_cache_experts=100)
     s = OffloadSettings.from_config(config, demo_spec, torch.float32)

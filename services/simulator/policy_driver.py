@@ -140,7 +140,7 @@ def build_offload(
     split = split_prices(spec.expert_chunk_bytes, dense=spec.expert_precision.bits >= 16)
     if is_hybrid(policy):
         budget = 0 if policy.pinned == "nothing" else slots
-        settings = replace(settings, slots=hybrid_slots(policy, budget, pinned, split, spec.num_experts))
+        settings = replace(settings, slots=hybrid_slots(policy, budget, pinned, split, spec.top_k))
         slots = settings.slots
     stats_type = HintStats if "hints" in policy.prefetchers else OffloadStats
     stats = stats_type(spec.num_layers, slots_total=slots, expert_bytes=spec.expert_bytes)
@@ -158,7 +158,7 @@ def build_offload(
         host = SimHostExecutor(cost, clock, stats)
         provider = HybridExpertProvider(
             *parts, stream_slots=spec.top_k, executor=host, pinned=pinned, prefetch_floor=policy.prefetch_floor,
-            prefetch_depth=policy.prefetch_depth, experts_per_layer=spec.num_experts,
+            prefetch_depth=policy.prefetch_depth, split_staging=spec.top_k,
             placement=make_placement(policy, placement_costs(cost, spec.expert_bytes), split),
         )
     hint_link = None

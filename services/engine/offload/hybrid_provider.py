@@ -14,6 +14,7 @@ from services.engine.offload.host_store import Key
 from services.engine.offload.link import ReadyEvent
 from services.engine.offload.placement import Placement
 from services.engine.offload.prefetch.base import PrefetchRequest
+from services.engine.offload.prefetch_gate import PrefetchGate
 from services.engine.offload.provider import OffloadedExpertProvider
 from services.engine.offload.split_experts import DownStaging
 from services.engine.offload.transfer_engine import Transfer
@@ -36,7 +37,7 @@ class Landed(ReadyEvent):
 class HybridExpertProvider(OffloadedExpertProvider):
     def __init__(
         self, *args, executor, placement: Placement, pinned: list[Key] = (), prefetch_floor: float = 0.0,
-        prefetch_depth: int = 0, experts_per_layer: int = 0, **kwargs
+        prefetch_depth: int = 0, split_staging: int = 0, **kwargs
     ) -> None:  # type: ignore[assignment]
         super().__init__(*args, **kwargs)
         self.prefetch_floor = prefetch_floor
@@ -46,10 +47,12 @@ class HybridExpertProvider(OffloadedExpertProvider):
         self._tokens: dict[int, int] = {}
         self.split_prices = getattr(placement, "split_prices", None)
         self.staging = None
-        if self.split_prices is not None:
+        if self.split_prices is not None and split_staging > 0:
             device = self.cache.storage[0].device if len(self.cache.slots) else "cpu"
-            self.staging = DownStaging(self.store.layout, device, capacity=experts_per_layer)
+            self.staging = DownStaging(self.store.layout, device, capacity=split_staging)
         self._split: dict[int, tuple[int, Transfer]] = {}  # this layer's split experts: staging buffer, down
+        costs = getattr(placement, "costs", None)
+        self.gate = PrefetchGate(self._saving_per_hit(costs)) if costs is not None and prefetch_depth > 0 else None
         self.pinned = set(pinned)
         for key in pinned:
             self._pin_for_good(key)
@@ -102,6 +105,9 @@ class HybridExpertProvider(OffloadedExpertProvider):
         )
         if not self.cache.slots:  # a budget the staging took whole: nothing can be fetched
             fetch, host = [], host + [e for e in fetch if e in misses]
+        room = self.staging.free if self.staging is not None else 0
+        if len(split) > room:  # more than the staging holds: the rest computed on the host whole
+            split, host = split[:room], host + split[room:]
         waiting = [e for e in inflight if e not in host and e not in split]
         for expert in host + split:
             if expert in unstarted:
@@ -150,13 +156,36 @@ class HybridExpertProvider(OffloadedExpertProvider):
         # With misses computed on the host, a prefetch pays only when it lands before its layer and is
         # used: leave the unlikely ones on the host, so the link serves the likely ones in time.
         if self.prefetch_floor > 0:
-            requests = [r for r in requests if (1.0 if r.probability is None else r.probability) >= self.prefetch_floor]
+            requests = [r for r in requests if self._likely(r)]
         if self.prefetch_depth > 0:
-            # Only into the link's slack: a queue of prefetches delays every demand fetch and lands its tail
-            # too late, while the host computes what the link cannot bring in time.
-            room = self.prefetch_depth - sum(1 for t, _ in self._prefetches if not t.event.is_ready())
+            room = self._link_room()
             limit = room if limit is None else min(limit, room)
         super()._issue_prefetches(requests, ctx, limit)
+
+    def _saving_per_hit(self, costs) -> float:
+        """What a guess that lands saves on one token: the miss's cheapest other side, less the device."""
+        miss = costs.host(1)
+        part = self.split_prices
+        if part is not None:
+            miss = min(miss, max(part.host * costs.host(1), part.link * costs.link) + part.device * costs.device(1))
+        return max(0.0, miss - costs.device(1))
+
+    def _plan(self, prefetcher, layer: int, ctx: StepContext) -> list[PrefetchRequest]:
+        if self.gate is None:
+            return prefetcher.plan(layer, ctx)
+        is_new = lambda r: self.cache.lookup((r.layer, r.expert)) is None and self._likely(r)  # noqa: E731
+        return self.gate.plan(prefetcher, layer, ctx, is_new, self._link_room())
+
+    def _likely(self, request: PrefetchRequest) -> bool:
+        return (1.0 if request.probability is None else request.probability) >= self.prefetch_floor
+
+    def _link_room(self) -> int:
+        """Prefetches the link may take now. Only its slack: a queue of prefetches delays every demand fetch
+        and split expert and lands its tail too late, while the host computes what the link cannot bring."""
+        return self.prefetch_depth - sum(1 for t, _ in self._prefetches if not t.event.is_ready())
+
+    def _may_prefetch(self) -> bool:
+        return self.prefetch_depth <= 0 or self._link_room() > 0  # a full link: no guessing either
 
     def host_forward(self, layer: int, expert: int, x: torch.Tensor) -> Future[torch.Tensor]:
         return self.executor.submit(self.store.weights((layer, expert)), x)

@@ -38,15 +38,15 @@ def pinned_experts(policy: OffloadPolicy, spec, slots: int, trace: RoutingTrace 
 
 
 def hybrid_slots(
-    policy: OffloadPolicy, slots: int, pinned: list[Key], split: SplitPrices | None = None, num_experts: int = 0
+    policy: OffloadPolicy, slots: int, pinned: list[Key], split: SplitPrices | None = None, staging: int = 0
 ) -> int:
     """Device slots a hybrid policy allocates: a host-only placement needs no more than its pinned set; one
-    that splits experts gives up the slots its down-matrix staging takes (one per expert of a layer), so
-    every policy holds the same expert bytes for the same budget."""
+    that splits experts gives up the slots its `staging` down-matrix buffers take, so every policy holds the
+    same expert bytes for the same budget."""
     if policy.placement == "host":
         return len(pinned)
     if policy.split_experts and split is not None:
-        return max(0, slots - math.ceil(num_experts * split.link))
+        return max(0, slots - math.ceil(staging * split.link))
     return slots
 
 

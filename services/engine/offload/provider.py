@@ -96,9 +96,9 @@ class OffloadedExpertProvider(ExpertProvider):
         self._demanded.clear()
         if self.rules.early_demand:
             self._issue_pending()
-        if self.prefetchers and (self.rules.prefetch_in_prefill or not ctx.is_prefill):
+        if self.prefetchers and (self.rules.prefetch_in_prefill or not ctx.is_prefill) and self._may_prefetch():
             for prefetcher in self.prefetchers:
-                self._issue_prefetches(prefetcher.plan(layer, ctx), ctx)
+                self._issue_prefetches(self._plan(prefetcher, layer, ctx), ctx)
         self._track_peak()
         return LayerPlan(hits + inflight + misses, host, split)
 
@@ -206,6 +206,13 @@ class OffloadedExpertProvider(ExpertProvider):
         loading[0].event.synchronize()  # type: ignore[union-attr]  # already on the link: let it land
 
     # ---- prefetch ----
+    def _plan(self, prefetcher: Prefetcher, layer: int, ctx: StepContext) -> list[PrefetchRequest]:
+        return prefetcher.plan(layer, ctx)
+
+    def _may_prefetch(self) -> bool:
+        """Whether to ask the prefetchers at all this layer (a hybrid policy skips them while its link is full)."""
+        return True
+
     def _issue_prefetches(
         self, requests: list[PrefetchRequest], ctx: StepContext, limit: int | None = None
     ) -> None:

@@ -39,6 +39,10 @@ class PredictorSettings:
         name = config.predictor or policy.predictor
         if "hints" not in policy.prefetchers or not name or name == "none":
             return None
+        if policy.placement != "device" and not config.redis_url and not config.predictor:
+            # Hybrid decode is bound by the host's cores; an embedded predictor would run on them. Such a
+            # policy takes hints from a predictor service elsewhere (--redis-url), or from one asked for.
+            return None
         model_name = os.path.basename(os.path.normpath(config.model))
         return cls(name, model_name, config.redis_url, config.engine_id)
 

@@ -71,8 +71,8 @@ def make_eviction(settings: OffloadSettings, spec: ExpertGeometry) -> EvictionPo
         return EVICTION_POLICIES[name](spec.num_layers)  # type: ignore[call-arg]
     if name in ("eam", "next-use"):
         return EVICTION_POLICIES[name](spec.num_layers, spec.num_experts)  # type: ignore[call-arg]
-    if name == "hot-set":  # room beside the hot set: this layer's demand fetches and the prefetches on the link
-        reserve = spec.top_k + settings.policy.prefetch_depth
+    if name == "hot-set":  # room beside the hot set: the prefetches on the link (at least one slot)
+        reserve = max(1, settings.policy.prefetch_depth)
         return EVICTION_POLICIES[name](settings.slots, reserve)  # type: ignore[call-arg]
     if name == "belady":
         return EVICTION_POLICIES[name](_trace(settings, name))  # type: ignore[call-arg]
@@ -124,7 +124,7 @@ def build_expert_provider(
                             _trace(settings, settings.policy.name) if settings.policy.needs_trace else None)
     split = layout_split_prices(store.layout)
     if is_hybrid(settings.policy):
-        settings = replace(settings, slots=hybrid_slots(settings.policy, settings.slots, pinned, split, spec.num_experts))
+        settings = replace(settings, slots=hybrid_slots(settings.policy, settings.slots, pinned, split, spec.top_k))
     slots = settings.slots
     eviction = make_eviction(settings, spec)
     stats_type = HintStats if "hints" in settings.policy.prefetchers else OffloadStats
@@ -147,7 +147,7 @@ def build_expert_provider(
              costs.device(1) * 1e3, costs.host(1) * 1e3, costs.link * 1e3)
     return HybridExpertProvider(
         *parts, stream_slots=spec.top_k, fence=fence, pinned=pinned, prefetch_floor=settings.policy.prefetch_floor,
-        prefetch_depth=settings.policy.prefetch_depth, experts_per_layer=spec.num_experts,
+        prefetch_depth=settings.policy.prefetch_depth, split_staging=spec.top_k,
         placement=make_placement(settings.policy, costs, split),
         executor=HostExecutor(settings.host_threads, stats, emulated),
     )

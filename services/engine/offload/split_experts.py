@@ -31,7 +31,9 @@ def layout_split_prices(layout: ExpertLayout) -> SplitPrices | None:
 
 
 class DownStaging:
-    """Device buffers for the down matrices of a layer's split experts, reused layer after layer."""
+    """Device buffers for the down matrices of a layer's split experts, reused layer after layer: top-k of
+    them (what one token splits), so the budget gives up little; a layer that would split more computes the
+    rest on the host."""
 
     def __init__(self, layout: ExpertLayout, device: torch.device | str, capacity: int) -> None:
         self.shape = layout.down_shape
@@ -39,6 +41,10 @@ class DownStaging:
         self.buffers = [torch.empty(numel, dtype=layout.dtype, device=device) for _ in range(capacity)]
         self.fences: list[object | None] = [None] * capacity  # CUDA: compute done reading the buffer
         self._free = list(range(capacity - 1, -1, -1))
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
 
     def acquire(self) -> int:
         if not self._free:
