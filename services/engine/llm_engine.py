@@ -236,8 +236,11 @@ class LLMEngine:
             for mlp in (layer.dense_mlp, layer.shared_expert):
                 if mlp is not None:
                     tensors += [mlp.gate_up, mlp.down]
+        linears = [lin for lin in (*m.qkv, *m.o, m.lm_head) if lin is not None]
+        tensors += [lin.weight for lin in linears]  # the fused qkv weights are copies
         unique = {id(t): t for t in tensors}
-        return sum(t.numel() * t.element_size() for t in unique.values()) + m.experts.device_bytes
+        packed = sum(lin.extra_bytes for lin in linears)  # oneDNN's prepacked copies (CPU fp32)
+        return sum(t.numel() * t.element_size() for t in unique.values()) + packed + m.experts.device_bytes
 
     def close(self) -> None:
         self.model.experts.close()
