@@ -48,7 +48,7 @@ class MoECausalLM:
         self.v_caches: list[torch.Tensor] = []
         self.latent_caches: list[torch.Tensor] = []  # MLA: [slots, kv_lora_rank + qk_rope_head_dim] per layer
         pack = packing_supported(str(device), dtype)
-        self.lm_head = PackedLinear(weights.lm_head, None, pack, min_rows=1)  # 8000 x 256: packed wins at 1 row
+        self.lm_head = PackedLinear(weights.lm_head, None, pack)
         # q, k and v as one GEMM (split by views after), and o: per layer, None for MLA layers.
         self.qkv: list[PackedLinear | None] = []
         self.o: list[PackedLinear | None] = []
