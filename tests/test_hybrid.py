@@ -154,18 +154,23 @@ def test_hot_set_eviction_learns_the_hot_set_and_keeps_prefetches_out_of_it() ->
 
     eviction = HotSetEviction(slots=3, reserve=1, half_life=4.0)
     ctx = StepContext(Phase.DECODE, ["r"], 1)
-    for step in range(12):
-        for key in [(0, 1), (0, 2)] + ([(0, 3)] if step % 4 == 0 else []):
-            eviction.on_access(key, ctx)
+
+    def step(*experts: int) -> None:
+        for e in experts:
+            eviction.on_access((0, e), ctx)
         eviction.on_step_end(ctx)
+
+    for i in range(12):
+        step(1, 2) if i % 4 else step(1, 2, 3)
     assert eviction.hot == {(0, 1), (0, 2)}
     assert eviction.victim([(0, 1), (0, 3), (0, 2)], ctx, 0) == (0, 3)  # outside the hot set first
     assert eviction.admit((0, 5), (0, 3), ctx, 0) and not eviction.admit((0, 5), (0, 1), ctx, 0)
+    # A member stays until a newcomer is clearly used more: a near tie does not swap them.
+    step(1, 3)
+    assert eviction.hot == {(0, 1), (0, 2)}
     # The set follows the traffic: (0, 3) takes over once (0, 2) falls out of use.
     for _ in range(40):
-        for key in [(0, 1), (0, 3)]:
-            eviction.on_access(key, ctx)
-        eviction.on_step_end(ctx)
+        step(1, 3)
     assert eviction.hot == {(0, 1), (0, 3)}
 
 

@@ -11,7 +11,7 @@ import torch
 
 from services.engine.expert_provider import LayerPlan
 from services.engine.offload.host_store import Key
-from services.engine.offload.link import ReadyEvent
+from services.engine.offload.link import EmulatedLink, ReadyEvent
 from services.engine.offload.placement import Placement
 from services.engine.offload.prefetch.base import PrefetchRequest
 from services.engine.offload.prefetch_gate import PrefetchGate
@@ -52,7 +52,9 @@ class HybridExpertProvider(OffloadedExpertProvider):
             self.staging = DownStaging(self.store.layout, device, capacity=split_staging)
         self._split: dict[int, tuple[int, Transfer]] = {}  # this layer's split experts: staging buffer, down
         costs = getattr(placement, "costs", None)
-        self.gate = PrefetchGate(self._saving_per_hit(costs)) if costs is not None and prefetch_depth > 0 else None
+        self.gate = None
+        if costs is not None and prefetch_depth > 0:
+            self.gate = PrefetchGate(self._saving_per_hit(costs), self._copy_cpu_seconds())
         self.pinned = set(pinned)
         for key in pinned:
             self._pin_for_good(key)
@@ -169,6 +171,19 @@ class HybridExpertProvider(OffloadedExpertProvider):
         if part is not None:
             miss = min(miss, max(part.host * costs.host(1), part.link * costs.link) + part.device * costs.device(1))
         return max(0.0, miss - costs.device(1))
+
+    def _copy_cpu_seconds(self) -> float:
+        """Compute-side seconds one expert's transfer takes: the memcpy of an emulated link (the copy
+        engine's DMA costs the cores nothing)."""
+        if not isinstance(self.transfers.link, EmulatedLink) or not len(self.cache.slots):
+            return 0.0
+        src, dst = next(iter(self.store.buffers.values())), self.cache.storage[0]
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - start)
+        return best
 
     def _plan(self, prefetcher, layer: int, ctx: StepContext) -> list[PrefetchRequest]:
         if self.gate is None:

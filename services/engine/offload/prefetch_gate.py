@@ -2,11 +2,13 @@
 
 With misses computed on the host, a right guess saves what the miss would have cost there (or split)
 minus the device's time, and a guess costs the prefetcher's own planning time on the critical path (the
-skip-gate runs later layers' routers). On a large model the saving is milliseconds and the planning tens
-of microseconds; on a tiny one they are alike, and guessing slows decode. The gate keeps, per prefetcher,
-averages of its planning time and of the time its guesses are expected to save (new guesses the link can
-take x the prefetcher's measured precision x the saving per hit), skips it while the cost is higher, and
-asks it again every `probe_every` layers so the averages follow the traffic.
+skip-gate runs later layers' routers), plus `issue_cost` per transfer it starts: compute-side work a copy
+takes on this machine (none behind a GPU's copy engine; a real memcpy on the cores an emulated link
+shares). On a large model the saving is milliseconds and the cost tens of microseconds; on a tiny one they
+are alike, and guessing slows decode. The gate keeps, per prefetcher, averages of that cost and of the time
+its guesses are expected to save (new guesses the link can take x the prefetcher's measured precision x the
+saving per hit), skips it while the cost is higher, and asks it again every `probe_every` layers so the
+averages follow the traffic.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ _WEIGHT = 0.1  # of the newest sample in the averages
 
 class PrefetchGate:
     def __init__(
-        self, saving_per_hit: float, probe_every: int = 64, clock: Callable[[], float] = time.perf_counter
+        self, saving_per_hit: float, issue_cost: float = 0.0, probe_every: int = 64,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.saving_per_hit = saving_per_hit
+        self.issue_cost = issue_cost
         self.clock = clock
         self.probe_every = probe_every
         self.cost: dict[int, float] = {}  # id(prefetcher) -> seconds per plan
@@ -45,9 +49,9 @@ class PrefetchGate:
         start = self.clock()
         requests = prefetcher.plan(layer, ctx)
         seconds = self.clock() - start
-        useful = min(room, sum(1 for r in requests if is_new(r))) * _precision(prefetcher) * self.saving_per_hit
-        self.cost[key] = _average(self.cost.get(key), seconds)
-        self.value[key] = _average(self.value.get(key), useful)
+        issued = min(room, sum(1 for r in requests if is_new(r)))
+        self.cost[key] = _average(self.cost.get(key), seconds + issued * self.issue_cost)
+        self.value[key] = _average(self.value.get(key), issued * _precision(prefetcher) * self.saving_per_hit)
         return requests
 
 
