@@ -35,3 +35,30 @@ def test_rows_pad_to_few_shapes() -> None:
     assert len(bucket_sizes(2048)) == 72  # oneDNN caches 1024 kernel shapes
     layer = PackedLinear(torch.randn(8, 8), None, pack=packing_supported("cpu", torch.float32))
     layer.warm_up(100)  # every bucket up to 100 rows runs once
+
+
+def test_engine_generates_the_same_tokens_packed_or_not(tiny_mixtral_dir: str) -> None:
+    """The serving core's packed path (a core left free) against the plain one (a thread on every core)."""
+    import os
+
+    from services.engine.config import EngineConfig
+    from services.engine.llm_engine import LLMEngine
+    from services.engine.sampling_params import SamplingParams
+
+    cores = len(os.sched_getaffinity(0))
+    if cores < 2 or not packing_supported("cpu", torch.float32):
+        pytest.skip("packing needs oneDNN and a second core")
+    prompts = [[5 + i, 17, 42 + 3 * i, 99, 7] for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(cores)
+        plain = LLMEngine(EngineConfig(model=tiny_mixtral_dir, max_num_seqs=8))
+        torch.set_num_threads(1)
+        packed = LLMEngine(EngineConfig(model=tiny_mixtral_dir, max_num_seqs=8))
+    finally:
+        torch.set_num_threads(before)
+    assert plain.model.lm_head.packed is None and packed.model.lm_head.packed is not None
+    assert packed.model.experts.stacked_experts(0).packed
+    packed.model.warm_up(64, 8)
+    assert packed.generate(prompts, params) == plain.generate(prompts, params)

@@ -11,7 +11,7 @@ from transformers import PretrainedConfig
 from services.engine.expert_provider import ExpertProvider, ExpertWeights, ResidentExpertProvider
 from services.engine.models.fused_moe import StackedExperts, grouped_mm_supported, stackable
 from services.engine.models.model import MoECausalLM
-from services.engine.models.packed_linear import packing_supported
+from services.engine.models.packed_linear import should_pack
 from services.engine.models.spec import ModelSpec, load_hf_config, rope_inv_freq, spec_from_config
 from services.engine.models.weights import (
     NonExpertWeights,
@@ -60,7 +60,7 @@ def load_resident_experts(
         layer_experts = [_place(load(e, reader.device), layout, reader.device) for e in range(spec.num_experts)]
         stacked = None
         if fused and stackable(layer_experts) and grouped_mm_supported(reader.device, layer_experts[0].gate_up.dtype):
-            pack = small and packing_supported(str(reader.device), layer_experts[0].gate_up.dtype)
+            pack = small and should_pack(str(reader.device), layer_experts[0].gate_up.dtype)
             stacked = StackedExperts.stack(layer_experts, pack)  # type: ignore[arg-type]
             layer_experts = [stacked.expert(e) for e in range(spec.num_experts)]
         experts.append(layer_experts)

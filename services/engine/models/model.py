@@ -17,7 +17,7 @@ from services.engine.models.attention import (
 from services.engine.models.fused_moe import fused_moe_forward
 from services.engine.models.mla_attention import mla_attention
 from services.engine.models.moe import moe_forward, swiglu
-from services.engine.models.packed_linear import PackedLinear, packing_supported
+from services.engine.models.packed_linear import PackedLinear, should_pack
 from services.engine.models.router import route
 from services.engine.models.spec import ModelSpec
 from services.engine.models.weights import AttentionWeights, LayerWeights, MlaWeights, NonExpertWeights
@@ -47,7 +47,7 @@ class MoECausalLM:
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
         self.latent_caches: list[torch.Tensor] = []  # MLA: [slots, kv_lora_rank + qk_rope_head_dim] per layer
-        pack = packing_supported(str(device), dtype)
+        pack = should_pack(str(device), dtype)
         self.lm_head = PackedLinear(weights.lm_head, None, pack)
         # q, k and v as one GEMM (split by views after), and o: per layer, None for MLA layers.
         self.qkv: list[PackedLinear | None] = []
