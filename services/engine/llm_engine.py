@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import os
 import time
@@ -36,6 +37,8 @@ from services.engine.sequence import Sequence
 
 _MAX_DEFAULT_CONTEXT = 4096
 _MAX_DEFAULT_KV_BYTES = 2 << 30
+
+log = logging.getLogger(__name__)
 
 
 def _finished(reason: str) -> str:
@@ -101,6 +104,9 @@ class LLMEngine:
             from services.engine.predictor_link import start_predictor_link  # redis, grpc: only when used
 
             start_predictor_link(self.runner, hints[0], predictor, self.spec)
+        elif hints and self.config.predictor != "none":
+            log.info("hybrid policy %s: no embedded predictor on the host cores it computes on; pass --redis-url "
+                     "for a predictor service, or --predictor NAME to embed one anyway", self.config.offload_policy)
 
     def _num_kv_blocks(self, itemsize: int) -> int:
         cfg, spec = self.config, self.spec
