@@ -51,6 +51,8 @@ class HybridExpertProvider(OffloadedExpertProvider):
             device = self.cache.storage[0].device if len(self.cache.slots) else "cpu"
             self.staging = DownStaging(self.store.layout, device, capacity=split_staging)
         self._split: dict[int, tuple[int, Transfer]] = {}  # this layer's split experts: staging buffer, down
+        self._downs: dict[Key, torch.Tensor] = {}  # each expert's down matrix in the host store (views)
+        self._hot_missing: list[Key] = []  # hot-set experts not cached, as of the last step end
         costs = getattr(placement, "costs", None)
         self.gate = None
         if costs is not None and prefetch_depth > 0:
@@ -63,20 +65,26 @@ class HybridExpertProvider(OffloadedExpertProvider):
         self, layer: int, experts: list[int], ctx: StepContext, tokens: list[int] | None = None
     ) -> LayerPlan:
         plan = super().begin_layer(layer, experts, ctx, tokens)
-        if self.prefetch_depth > 0 and not ctx.is_prefill:
+        if self._hot_missing and not ctx.is_prefill:
             self._fill_hot_set(layer, ctx)
         return plan
+
+    def end_step(self, ctx: StepContext) -> None:
+        super().end_step(ctx)
+        if self.prefetch_depth > 0:  # the hot set changes at step ends only
+            hot = getattr(self.cache.eviction, "hot", ())
+            self._hot_missing = [key for key in hot if self.cache.lookup(key) is None]
 
     def _fill_hot_set(self, layer: int, ctx: StepContext) -> None:
         """Misses are computed on the host or split, so nothing would ever be cached: the link's remaining
         slack brings in the eviction policy's hot set (an online KTransformers), nearest layers first."""
-        hot = getattr(self.cache.eviction, "hot", None)
-        if not hot:
+        if self._link_room() <= 0:
             return
+        self._hot_missing = [key for key in self._hot_missing if self.cache.lookup(key) is None]
         num_layers = len(self.stats.hits)
         requests = [
             PrefetchRequest(target, e, 1.0 / ((target - layer - 1) % num_layers + 1), next_step=target <= layer)
-            for target, e in hot if self.cache.lookup((target, e)) is None
+            for target, e in self._hot_missing
         ]
         if requests:
             self._issue_prefetches(requests, ctx)
@@ -123,7 +131,9 @@ class HybridExpertProvider(OffloadedExpertProvider):
     def _fetch_down(self, key: Key) -> None:
         """A split expert's down matrix to a staging buffer, as a demand (it is needed this layer)."""
         index = self.staging.acquire()  # type: ignore[union-attr]
-        down = self.store.layout.chunks(self.store.buffers[key])[1]
+        down = self._downs.get(key)
+        if down is None:
+            down = self._downs[key] = self.store.layout.chunks(self.store.buffers[key])[1]
         event = self.transfers.link.new_event()
         transfer = Transfer(key, [(self.staging.buffers[index], down)], event, True, float("inf"), (0, 0),  # type: ignore
                             fence=self.staging.fences[index], chunk_offset=1)  # type: ignore[union-attr]
