@@ -45,6 +45,7 @@ class HybridExpertProvider(OffloadedExpertProvider):
         self.executor = executor
         self.placement = placement
         self._tokens: dict[int, int] = {}
+        self.costs = getattr(placement, "costs", None)  # measured prices; None for a host-only placement
         self.split_prices = getattr(placement, "split_prices", None)
         self.staging = None
         if self.split_prices is not None and split_staging > 0:
@@ -53,10 +54,9 @@ class HybridExpertProvider(OffloadedExpertProvider):
         self._split: dict[int, tuple[int, Transfer]] = {}  # this layer's split experts: staging buffer, down
         self._downs: dict[Key, torch.Tensor] = {}  # each expert's down matrix in the host store (views)
         self._hot_missing: list[Key] = []  # hot-set experts not cached, as of the last step end
-        costs = getattr(placement, "costs", None)
         self.gate = None
-        if costs is not None and prefetch_depth > 0:
-            self.gate = PrefetchGate(self._saving_per_hit(costs), self._copy_cpu_seconds())
+        if self.costs is not None and prefetch_depth > 0:
+            self.gate = PrefetchGate(self._saving_per_hit(), self._copy_cpu_seconds())
         self.pinned = set(pinned)
         for key in pinned:
             self._pin_for_good(key)
@@ -98,14 +98,13 @@ class HybridExpertProvider(OffloadedExpertProvider):
         being copied costs what is left of it, which the host may still beat."""
         if not misses and not inflight:
             return misses, inflight, [], []
-        link = getattr(self.placement, "costs", None)
         unstarted, landing = [], {}
         for e in inflight:
             transfer = self.cache.lookup((layer, e)).transfer  # type: ignore[union-attr]
             if transfer.next_chunk == 0:  # type: ignore[union-attr]
                 unstarted.append(e)
-            elif link is not None:
-                landing[e] = link.link * (1.0 - transfer.next_chunk / len(transfer.chunks))  # type: ignore
+            elif self.costs is not None:
+                landing[e] = self.costs.link * (1.0 - transfer.next_chunk / len(transfer.chunks))  # type: ignore
         self._tokens.clear()
         self._tokens.update(zip(experts, tokens or [1] * len(experts)))
         started = [e for e in inflight if e not in unstarted]
@@ -157,12 +156,11 @@ class HybridExpertProvider(OffloadedExpertProvider):
     def _link_backlog(self) -> float:
         """What a demand fetch queues behind: demands still loading, and a prefetch chunk on the link (a
         demand overtakes queued prefetches, not the chunk being copied: half an expert on average)."""
-        link = getattr(self.placement, "costs", None)
-        if link is None:
+        if self.costs is None:
             return 0.0
         demands = sum(1 for s in self.cache.slots if s.loading and s.transfer.demand)  # type: ignore[union-attr]
         prefetching = any(not t.event.is_ready() for t, _ in self._prefetches)
-        return link.link * (demands + 0.5 * prefetching)
+        return self.costs.link * (demands + 0.5 * prefetching)
 
     def _issue_prefetches(self, requests, ctx, limit: int | None = None) -> None:
         # With misses computed on the host, a prefetch pays only when it lands before its layer and is
@@ -174,13 +172,10 @@ class HybridExpertProvider(OffloadedExpertProvider):
             limit = room if limit is None else min(limit, room)
         super()._issue_prefetches(requests, ctx, limit)
 
-    def _saving_per_hit(self, costs) -> float:
+    def _saving_per_hit(self) -> float:
         """What a guess that lands saves on one token: the miss's cheapest other side, less the device."""
-        miss = costs.host(1)
-        part = self.split_prices
-        if part is not None:
-            miss = min(miss, max(part.host * costs.host(1), part.link * costs.link) + part.device * costs.device(1))
-        return max(0.0, miss - costs.device(1))
+        miss = min(self.costs.host(1), self.placement.split_seconds(1))  # type: ignore[union-attr,attr-defined]
+        return max(0.0, miss - self.costs.device(1))  # type: ignore[union-attr]
 
     def _copy_cpu_seconds(self) -> float:
         """Compute-side seconds one expert's transfer takes: the memcpy of an emulated link (the copy
@@ -221,13 +216,7 @@ class HybridExpertProvider(OffloadedExpertProvider):
 
     def get_down(self, layer: int, expert: int) -> torch.Tensor:
         index, transfer = self._split[expert]
-        event = transfer.event
-        if event.is_ready():
-            event.wait()  # CUDA: orders the compute stream after the copy
-        else:
-            start = time.perf_counter()
-            event.wait()
-            self.stats.blocking_seconds += time.perf_counter() - start
+        self._wait_landed(transfer.event)
         return self.staging.down(index)  # type: ignore[union-attr]
 
     def end_layer(self, layer: int, ctx: StepContext) -> None:

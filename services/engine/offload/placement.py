@@ -72,10 +72,7 @@ class CostPlacement(Placement):
             lands = landing.get(expert)
             on_host = host_done + c.host(n)
             on_device = (link_done + c.link if lands is None else lands) + c.device(n)
-            halves = float("inf")
-            if part is not None and lands is None:
-                halves = max(host_done + part.host * c.host(n), link_done + part.link * c.link)
-                halves += part.device * c.device(n)
+            halves = self.split_seconds(n, host_done, link_done) if lands is None else float("inf")
             if on_host < on_device and on_host <= halves:
                 placed.host.append(expert)
                 host_done = on_host
@@ -88,3 +85,10 @@ class CostPlacement(Placement):
                 if lands is None:
                     link_done += c.link
         return placed
+
+    def split_seconds(self, tokens: int, host_done: float = 0.0, link_done: float = 0.0) -> float:
+        """When a split expert would be done, both sides starting behind what they hold (inf: no splitting)."""
+        part, c = self.split_prices, self.costs
+        if part is None:
+            return float("inf")
+        return max(host_done + part.host * c.host(tokens), link_done + part.link * c.link) + part.device * c.device(tokens)

@@ -10,6 +10,7 @@ from services.engine.expert_provider import ExpertProvider, ExpertWeights, Layer
 from services.engine.offload.eviction.base import EvictionPolicy
 from services.engine.offload.expert_cache import ExpertCache, Slot
 from services.engine.offload.host_store import HostExpertStore, Key
+from services.engine.offload.link import ReadyEvent
 from services.engine.offload.prefetch.base import Prefetcher, PrefetchRequest
 from services.engine.offload.stats import OffloadStats
 from services.engine.offload.transfer_engine import Transfer, TransferEngine
@@ -114,14 +115,17 @@ class OffloadedExpertProvider(ExpertProvider):
         if self.rules.early_demand:
             self._issue_pending()
         self._current = slot
-        event = slot.event
-        if event.is_ready():  # type: ignore[union-attr]
-            event.wait()  # type: ignore[union-attr]  # CUDA: orders the compute stream after the copy
+        self._wait_landed(slot.event)  # type: ignore[arg-type]
+        return self.cache.weights(slot)
+
+    def _wait_landed(self, event: ReadyEvent) -> None:
+        """Compute waits for a transfer; the time it stalls counts as blocking."""
+        if event.is_ready():
+            event.wait()  # CUDA: orders the compute stream after the copy
         else:
             start = time.perf_counter()
-            event.wait()  # type: ignore[union-attr]
+            event.wait()
             self.stats.blocking_seconds += time.perf_counter() - start
-        return self.cache.weights(slot)
 
     def end_layer(self, layer: int, ctx: StepContext) -> None:
         self._finish_current()
