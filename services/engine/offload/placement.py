@@ -73,7 +73,7 @@ class CostPlacement(Placement):
             on_host = host_done + c.host(n)
             on_device = (link_done + c.link if lands is None else lands) + c.device(n)
             halves = self.split_seconds(n, host_done, link_done) if lands is None else float("inf")
-            if on_host < on_device and on_host <= halves:
+            if on_host <= on_device and on_host <= halves:
                 placed.host.append(expert)
                 host_done = on_host
             elif halves < on_device:
