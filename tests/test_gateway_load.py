@@ -198,7 +198,8 @@ class _RecordingClient(InProcessEngineClient):
 
 async def test_batch_window_submits_together(tiny_mixtral_dir: str) -> None:
     """Requests arriving within the window reach the engine in the same event-loop turn, so the engine's
-    loop (which drains its whole inbox before each step) prefills them together.
+    loop (which drains its whole inbox before each step) prefills them together; a request that finds the
+    engine with nothing else in flight goes at once.
 
     The engine-side effect (one prefill step instead of four) is what the window is for, but it also depends
     on when the OS runs the engine thread, so the test asserts the gateway's part: the same loop turn.
@@ -217,20 +218,32 @@ async def test_batch_window_submits_together(tiny_mixtral_dir: str) -> None:
                         model=MODEL, prompt=f"request {i}", max_tokens=2, extra_body={"ignore_eos": True}
                     )
 
-                results = await asyncio.gather(*[one(i) for i in range(4)])
-                assert all(r.usage.completion_tokens == 2 for r in results)
-                assert gateway.batcher.batches_flushed == 1 and gateway.batcher.requests_batched == 4
-                assert len(backend.submitted_at_poll) == 4
-                assert len(set(backend.submitted_at_poll)) == 1  # no selector poll between submissions
+                # An idle engine: the lone request skips the window.
+                await one(0)
+                assert gateway.batcher.batches_flushed == 0
+                samples = await scrape(server)
+                assert sample_sum(samples, "hintserve_request_queue_time_seconds_sum", model_name=MODEL) < 0.3
 
-                # A lone request waits for the window to close (the timer), then goes alone.
-                await one(4)
-                assert backend.submitted_at_poll[4] != backend.submitted_at_poll[0]
-                assert gateway.batcher.batches_flushed == 2 and gateway.batcher.requests_batched == 5
+                # With another request holding the engine (a slot taken here), arrivals batch behind it.
+                handle = gateway.pool.engines[0]
+                gateway.pool.acquire(handle)
+                try:
+                    results = await asyncio.gather(*[one(i) for i in range(1, 5)])
+                    assert all(r.usage.completion_tokens == 2 for r in results)
+                    assert gateway.batcher.batches_flushed == 1 and gateway.batcher.requests_batched == 4
+                    assert len(backend.submitted_at_poll) == 5
+                    assert len(set(backend.submitted_at_poll[1:])) == 1  # no selector poll between submissions
+
+                    # A lone arrival behind a busy engine waits for the window to close (the timer).
+                    await one(5)
+                    assert backend.submitted_at_poll[5] != backend.submitted_at_poll[1]
+                    assert gateway.batcher.batches_flushed == 2 and gateway.batcher.requests_batched == 5
+                finally:
+                    gateway.pool.release(handle)
                 samples = await scrape(server)
                 count = sample_sum(samples, "hintserve_request_queue_time_seconds_count", model_name=MODEL)
-                assert count == 5
-                # The queue time includes the wait for the 300 ms window: visible in the histogram's sum.
+                assert count == 6
+                # The lone arrival's wait for the 300 ms window is in the queue time (max_batch flushed the four).
                 assert (
                     sample_sum(samples, "hintserve_request_queue_time_seconds_sum", model_name=MODEL) >= 0.3
                 )

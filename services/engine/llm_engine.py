@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
 from services.engine.errors import InvalidRequestError
+from services.engine.host_allocator import keep_large_allocations
 from services.engine.input_processor import (
     EngineLimits,
     InputProcessor,
@@ -60,6 +61,7 @@ class LLMEngine:
         config.validate()
         self.config = config
         self.detokenize = detokenize
+        keep_large_allocations()  # the host's activations (and, offloaded, its expert compute) reuse their pages
         self.tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
         model_positions = spec_from_config(load_hf_config(config.model)).max_position_embeddings
         self.max_model_len = config.max_model_len or min(model_positions, _MAX_DEFAULT_CONTEXT)

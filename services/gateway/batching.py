@@ -3,7 +3,9 @@
 The engine drains its whole inbox before each step and prefills everything waiting in one batch, so
 requests submitted in the same event-loop turn land in the same prefill step. Without a window, a burst of
 arrivals a millisecond apart becomes several one-request prefills, each delaying the running decodes.
-The window costs at most `window_s` of TTFT; `max_batch` arrivals flush it early.
+The window costs at most `window_s` of TTFT; `max_batch` arrivals flush it early. A request that finds its
+engine with nothing else in flight goes at once: no step is running for it to batch behind, and a lone
+request (every request at concurrency 1) would otherwise pay the whole window for nothing.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class RequestBatcher:
         All members of a batch wake in the same event-loop turn (one Event), and the caller must not await
         anything between this and starting its engine request, so the submissions are back to back.
         """
-        if not self.enabled:
+        if not self.enabled or engine.outstanding <= 1:  # the engine's only request (admission counted it)
             return
         batch = self._open.get(engine)
         if batch is None:

@@ -84,6 +84,8 @@ def fused_moe_forward(
     weights, experts, _ = routing
     record_routing(layer, routing, ctx)
     tokens, top_k = experts.shape
+    if tokens == 1 and stacked.packed:  # a one-sequence decode step: no sort, gather or scatter for one row
+        return _packed_one_token(x, weights, experts, stacked.packed)
     flat_experts = experts.flatten()
     order = torch.argsort(flat_experts, stable=True)  # assignments grouped by expert, tokens ascending
     ends = torch.cumsum(torch.bincount(flat_experts, minlength=stacked.w13.shape[0]), 0, dtype=torch.int32)
@@ -110,3 +112,16 @@ def _packed_experts(rows: torch.Tensor, ends: torch.Tensor, packed: list[tuple[P
             y[start:end] = down(F.silu(gate) * up)
             start = end
     return y
+
+
+def _packed_one_token(
+    x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, packed: list[tuple[PackedLinear, PackedLinear]]
+) -> torch.Tensor:
+    """x: [1, hidden] through its top-k experts in rank order: the values the sorted path computes for it."""
+    out = None
+    for expert, weight in zip(experts[0].tolist(), weights[0].tolist()):
+        gate_up, down = packed[expert]
+        gate, up = gate_up(x).chunk(2, dim=-1)
+        y = down(F.silu(gate) * up) * weight
+        out = y if out is None else out.add_(y)
+    return out
