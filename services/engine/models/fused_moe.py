@@ -89,17 +89,17 @@ def fused_moe_forward(
     flat_experts = experts.flatten()
     order = torch.argsort(flat_experts, stable=True)  # assignments grouped by expert, tokens ascending
     ends = torch.cumsum(torch.bincount(flat_experts, minlength=stacked.w13.shape[0]), 0, dtype=torch.int32)
-    rows = x[order // top_k].to(stacked.w13.dtype)  # bf16 experts under fp32 activations compute in bf16
+    rows = x.index_select(0, order // top_k).to(stacked.w13.dtype)  # bf16 experts (fp32 activations): bf16 math
     if stacked.packed:
         y = _packed_experts(rows, ends, stacked.packed)
     else:
         gate_up = torch._grouped_mm(rows, stacked.w13, offs=ends)
         gate, up = gate_up.chunk(2, dim=-1)
         y = torch._grouped_mm(F.silu(gate) * up, stacked.w2, offs=ends)
-    y = (y * weights.flatten()[order, None]).to(x.dtype)  # weighted as moe_forward does (fp32 weights promote)
-    # Back to (token, k) order, then each token's k outputs summed (index_add_ is slower on CPU).
-    unsorted = torch.empty_like(y).index_copy_(0, order, y)
-    return unsorted.view(tokens, top_k, -1).sum(dim=1)
+    y = (y * weights.flatten().index_select(0, order)[:, None]).to(x.dtype)  # as moe_forward weighs (fp32 promotes)
+    # Back to (token, k) order, then each token's k outputs summed. Gathers, not scatters or advanced indexing:
+    # on CPU index_select moves [4096, 256] rows 2-8x faster than index_copy_ or x[idx] (index_add_: slower).
+    return y.index_select(0, torch.argsort(order)).view(tokens, top_k, -1).sum(dim=1)
 
 
 def _packed_experts(rows: torch.Tensor, ends: torch.Tensor, packed: list[tuple[PackedLinear, PackedLinear]]):

@@ -99,7 +99,7 @@ class MoECausalLM:
         spec = self.spec
         h = F.embedding(input_ids, self.w.embed)
         ctx.embeddings = h
-        cos, sin = self.cos[positions], self.sin[positions]
+        cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)
         for i, layer in enumerate(self.w.layers):
             residual = h
             x = rms_norm(h, layer.input_norm, spec.rms_norm_eps)

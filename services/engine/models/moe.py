@@ -59,7 +59,7 @@ def moe_forward(
     flat_experts = experts.flatten()
     order = torch.argsort(flat_experts, stable=True)  # assignments grouped by expert, tokens ascending
     token_of_assignment = order // top_k
-    weight_of_assignment = weights.flatten()[order, None]
+    weight_of_assignment = weights.flatten().index_select(0, order)[:, None]
     counts = torch.bincount(flat_experts, minlength=probs.shape[-1]).tolist()
     offsets = [0]
     for c in counts:
@@ -70,13 +70,13 @@ def moe_forward(
     plan = provider.begin_layer(layer, active, ctx, [counts[e] for e in active])
     # Host work first, so its worker threads run while the device computes the rest; split experts' halves
     # first of all, since the device finishes them.
-    rows = lambda e: x[token_of_assignment[offsets[e] : offsets[e + 1]]]  # noqa: E731
+    rows = lambda e: x.index_select(0, token_of_assignment[offsets[e] : offsets[e + 1]])  # noqa: E731
     split = [(e, provider.host_activation(layer, e, rows(e))) for e in plan.split]
     on_host = [(e, provider.host_forward(layer, e, rows(e))) for e in plan.host]
     for expert in plan.device:
         start, end = offsets[expert], offsets[expert + 1]
         w = provider.get(layer, expert)
-        y = expert_forward(x[token_of_assignment[start:end]], w)
+        y = expert_forward(rows(expert), w)
         outputs[start:end] = y * weight_of_assignment[start:end]
     for expert, future in split:
         start, end = offsets[expert], offsets[expert + 1]
