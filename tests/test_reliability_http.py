@@ -21,8 +21,9 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 class HeldEngineClient(InProcessEngineClient):
-    """Yields a request's first output, then holds the rest until `release` is set: a stream that is
-    certainly still running while the test looks at the draining gateway."""
+    """Yields a request's outputs up to the first with text (the first SSE data line: a sampled token can
+    detokenise to nothing), then holds the rest until `release` is set: a stream that is certainly still
+    running while the test looks at the draining gateway."""
 
     def __init__(self, engine: Any) -> None:
         super().__init__(engine)
@@ -32,7 +33,7 @@ class HeldEngineClient(InProcessEngineClient):
         first = True
         async for out in super().generate(request_id, prompt, params):
             yield out
-            if first:
+            if first and out.delta_text:
                 first = False
                 await self.release.wait()
 
