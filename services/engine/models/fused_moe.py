@@ -106,10 +106,9 @@ def _packed_experts(rows: torch.Tensor, ends: torch.Tensor, packed: list[tuple[P
     """rows grouped by expert (group e ends at ends[e]) -> each group through its expert's SwiGLU."""
     y = torch.empty_like(rows)
     start = 0
-    for (gate_up, down), end in zip(packed, ends.tolist()):
+    for expert, end in zip(packed, ends.tolist()):
         if end > start:
-            gate, up = gate_up(rows[start:end]).chunk(2, dim=-1)
-            y[start:end] = down(F.silu(gate) * up)
+            y[start:end] = _packed_swiglu(expert, rows[start:end])
             start = end
     return y
 
@@ -120,8 +119,13 @@ def _packed_one_token(
     """x: [1, hidden] through its top-k experts in rank order: the values the sorted path computes for it."""
     out = None
     for expert, weight in zip(experts[0].tolist(), weights[0].tolist()):
-        gate_up, down = packed[expert]
-        gate, up = gate_up(x).chunk(2, dim=-1)
-        y = down(F.silu(gate) * up) * weight
+        y = _packed_swiglu(packed[expert], x) * weight
         out = y if out is None else out.add_(y)
     return out
+
+
+def _packed_swiglu(expert: tuple[PackedLinear, PackedLinear], x: torch.Tensor) -> torch.Tensor:
+    """moe.swiglu on one expert's prepacked gate/up and down GEMMs."""
+    gate_up, down = expert
+    gate, up = gate_up(x).chunk(2, dim=-1)
+    return down(F.silu(gate) * up)

@@ -10,6 +10,7 @@ from transformers import PretrainedConfig
 
 from services.engine.expert_provider import ExpertProvider, ExpertWeights, ResidentExpertProvider
 from services.engine.models.fused_moe import StackedExperts, grouped_mm_supported, stackable
+from services.engine.models.geometry import expert_bytes, total_experts
 from services.engine.models.model import MoECausalLM
 from services.engine.models.packed_linear import should_pack
 from services.engine.models.spec import ModelSpec, load_hf_config, rope_inv_freq, spec_from_config
@@ -50,7 +51,7 @@ def load_resident_experts(
     experts are stacked for the fused MoE path (the per-expert weights become views: one copy either way)."""
     experts: list[list[ExpertWeights | QuantizedExpertWeights] | None] = []
     stacks: list[StackedExperts | None] = []
-    small = _expert_bytes(spec, reader.dtype) <= PACK_EXPERTS_MAX_BYTES
+    small = expert_bytes(spec, reader.dtype) * total_experts(spec) <= PACK_EXPERTS_MAX_BYTES
     for layer in range(spec.num_layers):
         if not spec.moe_layers[layer]:
             experts.append(None)
@@ -66,11 +67,6 @@ def load_resident_experts(
         experts.append(layer_experts)
         stacks.append(stacked)
     return ResidentExpertProvider(experts, stacks)  # type: ignore[arg-type]
-
-
-def _expert_bytes(spec: ModelSpec, dtype: torch.dtype) -> int:
-    per_expert = 3 * spec.hidden_size * spec.moe_intermediate_size * dtype.itemsize
-    return sum(spec.moe_layers) * spec.num_experts * per_expert
 
 
 def _place(
