@@ -8,11 +8,13 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 
+import torch
 from tqdm import tqdm
 
 from services.bench.prompts import prompt_ids
 from services.common.report import bar_plot, markdown_table, run_header, write_json, write_markdown
 from services.engine.config import EngineConfig
+from services.engine.engine_core import core_threads
 from services.engine.llm_engine import LLMEngine
 from services.engine.models.geometry import total_experts
 from services.engine.offload.policies import get_policy
@@ -119,6 +121,8 @@ def run_offload_bench(
     bf16, so packed experts get more slots in the same budget. Static hot sets are counted on the warm-up
     prompts (a calibration set, disjoint from the measured ones) unless `hot_set_from` is "measured"; the
     bounds (oracle, belady) always replay the measured run."""
+    if device == "cpu":  # the intra-op threads `hintserve serve` gives its engine core (the rest: link, host)
+        torch.set_num_threads(core_threads())
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     # A serving engine's cache is warm from earlier traffic: every engine first serves other prompts (not
     # measured), and the reference does the same so that recorded and replayed steps line up.
@@ -145,10 +149,11 @@ def run_offload_bench(
             hot_set_path = os.path.join(trace_dir, f"calibration-{dtype}-b{batch}.json")
             calibration.save(hot_set_path)
         reference.close()
-        for policy in policies:
-            samples = []
-            name, _, eviction = policy.partition("@")  # "policy@eviction" swaps the policy's eviction
-            for _ in range(repeats):
+        # Repeats go round the policies, so a slow spell on a shared machine falls on all of them alike.
+        samples: dict[str, list[Row]] = {policy: [] for policy in policies}
+        for _ in range(repeats):
+            for policy in policies:
+                name, _, eviction = policy.partition("@")  # "policy@eviction" swaps the policy's eviction
                 engine = LLMEngine(EngineConfig(
                     model=model_dir, max_num_seqs=max(batch, 1), offload_policy=name, eviction=eviction or None,
                     link_ratio=ratio, routing_trace=hot_set_path if get_policy(name).pinned == "hot" else trace_path,
@@ -159,10 +164,10 @@ def run_offload_bench(
                 row = _row(policy, cache, ratio, batch, engine, tokens, expected, ttft, tpot, counters,
                            batch * (new_tokens - 1))
                 slots = getattr(getattr(engine.model.experts, "cache", None), "num_slots", 0)
-                samples.append(replace(row, expert_dtype=dtype, cache_experts=slots))
+                samples[policy].append(replace(row, expert_dtype=dtype, cache_experts=slots))
                 engine.close()
                 progress.update()
-            rows.append(_median_row(samples))
+        rows += [_median_row(samples[policy]) for policy in policies]
     progress.close()
     result = {**run_header(), "model": os.path.abspath(model_dir), "new_tokens": new_tokens,
               "hot_set_from": hot_set_from,

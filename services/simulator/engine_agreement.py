@@ -17,7 +17,7 @@ from services.bench.offload_bench import _run as run_engine_requests
 from services.bench.prompts import prompt_ids
 from services.engine.config import EngineConfig
 from services.engine.llm_engine import LLMEngine
-from services.engine.offload.link import expert_compute_seconds
+from services.engine.offload.link import emulation_unit
 from services.engine.offload.policies import get_policy
 from services.engine.offload.routing_trace import RoutingTrace
 from services.engine.sampling_params import SamplingParams
@@ -74,7 +74,7 @@ def compare_with_engine(
         reference.runner.step_observers += [recorder, steps]
         _, _, resident_tpot, _ = run_engine_requests(reference, ids, params)
         espec = reference.spec
-        expert_s = expert_compute_seconds(
+        expert_s = emulation_unit(
             espec.hidden_size, espec.moe_intermediate_size, reference.runner.model.w.embed.dtype
         )
     finally:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.offload.link import EmulatedLink, Link, expert_compute_seconds
+from services.engine.offload.link import EmulatedLink, Link, emulation_unit, expert_compute_seconds
 
 # The default --host-ratio: one Mixtral-8x7B fp16 expert on one token on a dual-channel DDR4-3200 host over
 # the same on an RTX A5000, both memory-bound (services/simulator/host.py prices them; a test checks that
@@ -53,11 +53,7 @@ def measure_costs(
     """`host_ratio` None on CUDA: the host is measured; on CPU the emulated host is that ratio (default
     DEFAULT_HOST_RATIO) times the device."""
     if device == "cpu":
-        # The best of a few medians: a busy shared machine must not inflate the emulated host's price.
-        dev = tuple(
-            min(expert_compute_seconds(hidden, intermediate, dtype, 30, n) for _ in range(3))
-            for n in (1, PROBE_TOKENS)
-        )
+        dev = tuple(emulation_unit(hidden, intermediate, dtype, n) for n in (1, PROBE_TOKENS))
         ratio = host_ratio or DEFAULT_HOST_RATIO
         host = (ratio * dev[0], ratio * dev[1])
     else:

@@ -1,9 +1,9 @@
 """The host expert executor: experts computed where they live, in host memory, on worker threads.
 
 Each job calls `expert_forward` (the one entry point for any weight format) on the host copy of the weights
-and the expert's token slice, so a host expert costs activations over the link, never weights. Worker
-threads run torch with one intra-op thread each (set per thread, so the device side keeps its own pool);
-torch releases the GIL inside its ops, so host jobs overlap the device's compute of cached experts.
+and the expert's token slice, so a host expert costs activations over the link, never weights. Workers use
+the process's intra-op threads (torch's count is process-wide; the engine core sets it); torch releases the
+GIL inside its ops, so host jobs overlap the device's compute of cached experts.
 
 On a CPU-only machine the "device" and the host are the same cores, so the executor emulates the host the
 way `EmulatedLink` emulates the link: the math is real, then the job is held until the emulated host would
@@ -34,9 +34,9 @@ class HostExecutor:
             raise ValueError(f"host_threads must be at least 1, got {threads}")
         self.stats = stats
         self._emulated_seconds = emulated_seconds
-        self._pool = ThreadPoolExecutor(
-            threads, thread_name_prefix="hintserve-host", initializer=torch.set_num_threads, initargs=(1,)
-        )
+        # No torch.set_num_threads in the workers: it is process-wide, and set from a worker it left the
+        # compute thread's small parallel ops (decode attention's softmax) taking milliseconds each.
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="hintserve-host")
         self._lock = threading.Lock()
         self._busy_until = 0.0  # emulation: when the virtual host finishes its queued work
 
@@ -74,3 +74,4 @@ class HostExecutor:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
+

@@ -8,6 +8,7 @@ many small chunks add up to the right total despite sleep granularity.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -86,6 +87,14 @@ class EmulatedLink(Link):
 
     def complete(self, event: ReadyEvent) -> None:
         event.set()  # type: ignore[attr-defined]
+
+
+@functools.cache
+def emulation_unit(hidden: int, intermediate: int, dtype: torch.dtype, tokens: int = 1) -> float:
+    """The unit --link-ratio and --host-ratio multiply: one expert's time on `tokens` tokens here, the best
+    of three medians (a busy moment must not inflate it), measured once per process, so that every engine
+    of a process emulates the same link and host (a benchmark's policies, side by side)."""
+    return min(expert_compute_seconds(hidden, intermediate, dtype, 30, tokens) for _ in range(3))
 
 
 def expert_compute_seconds(
