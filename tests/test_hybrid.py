@@ -206,11 +206,15 @@ def test_cost_placement_splits_an_expert_when_both_sides_are_close() -> None:
     third = SplitPrices(host=2 / 3, link=1 / 3, device=1 / 3)
     placement = CostPlacement(costs, stream_prefill=False, split=third)
     # Split: max(6, 4.67) + 0.33 beats the host's 9 and the link's 15; the second split queues behind it.
-    assert placement.place([3], {3: 1}, decode, 0.0) == ([], [], [3])
-    assert placement.place([3, 5], {3: 1, 5: 1}, decode, 0.0) == ([], [], [3, 5])
+    assert placement.place([3], {3: 1}, decode, 0.0, split_room=2) == ([], [], [3])
+    assert placement.place([3, 5], {3: 1, 5: 1}, decode, 0.0, split_room=2) == ([], [], [3, 5])
+    # No more splits than the staging has room for: the next expert goes to whichever side is sooner
+    # behind the split (the host, 6 + 9 = 15, against the link's 4.67 + 14 + 1).
+    assert placement.place([3, 5], {3: 1, 5: 1}, decode, 0.0, split_room=1) == ([], [5], [3])
+    assert placement.place([3], {3: 1}, decode, 0.0) == ([], [3], [])  # no staging: no split
     # An expert already on the link is waited for, never split; without split prices nothing splits.
-    assert placement.place([3], {3: 1}, decode, 0.0, landing={3: 1.0}) == ([3], [], [])
-    assert CostPlacement(costs, stream_prefill=False).place([3], {3: 1}, decode, 0.0) == ([], [3], [])
+    assert placement.place([3], {3: 1}, decode, 0.0, landing={3: 1.0}, split_room=2) == ([3], [], [])
+    assert CostPlacement(costs, stream_prefill=False).place([3], {3: 1}, decode, 0.0, split_room=2) == ([], [3], [])
 
 
 def test_only_dense_experts_split() -> None:
@@ -241,6 +245,16 @@ def test_a_splitting_policy_pays_for_its_staging_out_of_the_cache_budget() -> No
     assert hybrid_slots(get_policy("hintserve"), 55, [], third, staging=8) == 52
     assert hybrid_slots(get_policy("fiddler"), 55, [], third, staging=8) == 55
     assert hybrid_slots(get_policy("hintserve"), 55, [], None, staging=8) == 55  # packed: no split
+
+
+def test_split_staging_fills_the_slots_it_costs() -> None:
+    from services.engine.offload.split_experts import split_prices, staging_buffers, staging_slots
+
+    third = split_prices((200, 100), dense=True)
+    # Top-2 down matrices cost a whole slot, which holds three: the third is free, and a batch uses it.
+    assert staging_buffers(2, third) == 3 and staging_slots(3, third) == 1
+    assert staging_buffers(8, third) == 9 and staging_slots(9, third) == 3
+    assert staging_buffers(2, None) == 0
 
 
 @pytest.mark.parametrize("budget", [2, 3])
@@ -276,3 +290,65 @@ def test_prefetch_gate_skips_a_prefetcher_whose_guesses_cost_more_than_they_save
     assert useful.calls == 10
     assert slow.calls == 2  # asked once, skipped 4 times, probed again, skipped the rest
     assert gate.skipped_total == 8
+
+
+def test_prefetch_gate_skips_precise_guesses_that_displace_as_many_hits_as_they_bring() -> None:
+    from services.engine.offload.prefetch.base import GuessTracker, Prefetcher, PrefetchRequest
+    from services.engine.offload.prefetch_gate import PrefetchGate
+
+    now = [0.0]
+
+    class Guesser(Prefetcher):
+        def __init__(self) -> None:
+            self.tracker, self.calls = GuessTracker(precision=1.0), 0
+
+        def plan(self, layer, ctx):
+            self.calls += 1
+            now[0] += 0.5
+            return [PrefetchRequest(1, 0, 1.0), PrefetchRequest(1, 1, 1.0)]
+
+    gate = PrefetchGate(saving_per_hit=1.0, probe_every=4, clock=lambda: now[0])
+    ctx = StepContext(Phase.DECODE, ["r"], 1)
+    displacing, useful = Guesser(), Guesser()
+    for _ in range(40):
+        for guesser, net_hits in ((displacing, 0.0), (useful, 2.0)):
+            if gate.plan(guesser, 0, ctx, lambda r: True, room=2):
+                gate.credit(id(guesser), 2.0)  # both guesses used on the device...
+                gate.credit(id(guesser), net_hits - 2.0)  # ...less the hits their evictions cost
+    assert useful.calls == 40 and gate.share(useful) == pytest.approx(1.0)
+    assert gate.share(displacing) < 0.1 and displacing.calls < 15  # promised 2 hits a plan, brought none
+
+
+def test_hintserve_credits_its_prefetchers_with_what_their_guesses_did(reference) -> None:
+    model_dir, expected, trace = reference
+    # A slow host: each hit saves far more than the skip-gate's planning costs, so the gate keeps asking.
+    engine = LLMEngine(EngineConfig(model=model_dir, offload_policy="hintserve", routing_trace=trace,
+                                    expert_cache_fraction=0.5, link_ratio=30.0, host_ratio=200.0))
+    provider = engine.model.experts
+    credits: list[float] = []
+    credit = provider.gate.credit
+    provider.gate.credit = lambda issuer, hits: (credits.append(hits), credit(issuer, hits))
+    try:
+        assert engine.generate(_prompts(), GREEDY) == expected
+    finally:
+        engine.close()
+    used = provider.stats.prefetches_used
+    assert credits and 0 < sum(c for c in credits if c > 0) <= used  # only guesses the device computed
+    assert sum(1 for c in credits if c < 0) <= provider.stats.evictions  # a debit needs an eviction
+
+
+def test_host_executor_leaves_the_compute_threads_as_they_were(monkeypatch) -> None:
+    """torch.set_num_threads is process-wide (MKL's count among others): a worker that set its own to one
+    left the engine's decode attention taking milliseconds per op, so the executor never calls it."""
+    from services.engine.expert_provider import ExpertWeights
+    from services.engine.offload.host_executor import HostExecutor
+    from services.engine.offload.stats import OffloadStats
+
+    calls: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    executor = HostExecutor(2, OffloadStats(1))
+    weights = ExpertWeights(torch.randn(16, 4), torch.randn(4, 8))
+    for _ in range(4):
+        executor.submit(weights, torch.randn(3, 4)).result()
+    executor.shutdown()
+    assert calls == []

@@ -26,7 +26,7 @@ from services.engine.offload.provider import OffloadedExpertProvider
 from services.engine.offload.routing_trace import RoutingTrace
 from services.engine.offload.settings import OffloadSettings
 from services.engine.offload.setup import make_eviction, make_prefetchers
-from services.engine.offload.split_experts import split_prices
+from services.engine.offload.split_experts import split_prices, staging_buffers
 from services.engine.offload.stats import OffloadStats
 from services.engine.step_context import StepContext
 from services.simulator.hardware import CostModel
@@ -140,7 +140,7 @@ def build_offload(
     split = split_prices(spec.expert_chunk_bytes, dense=spec.expert_precision.bits >= 16)
     if is_hybrid(policy):
         budget = 0 if policy.pinned == "nothing" else slots
-        settings = replace(settings, slots=hybrid_slots(policy, budget, pinned, split, spec.top_k))
+        settings = replace(settings, slots=hybrid_slots(policy, budget, pinned, split, staging_buffers(spec.top_k, split)))
         slots = settings.slots
     stats_type = HintStats if "hints" in policy.prefetchers else OffloadStats
     stats = stats_type(spec.num_layers, slots_total=slots, expert_bytes=spec.expert_bytes)
@@ -158,7 +158,7 @@ def build_offload(
         host = SimHostExecutor(cost, clock, stats)
         provider = HybridExpertProvider(
             *parts, stream_slots=spec.top_k, executor=host, pinned=pinned, prefetch_floor=policy.prefetch_floor,
-            prefetch_depth=policy.prefetch_depth, split_staging=spec.top_k,
+            prefetch_depth=policy.prefetch_depth, split_staging=staging_buffers(spec.top_k, split),
             placement=make_placement(policy, placement_costs(cost, spec.expert_bytes), split),
         )
     hint_link = None

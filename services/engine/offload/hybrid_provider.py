@@ -10,6 +10,7 @@ from concurrent.futures import Future
 import torch
 
 from services.engine.expert_provider import LayerPlan
+from services.engine.offload.expert_cache import Slot
 from services.engine.offload.host_store import Key
 from services.engine.offload.link import EmulatedLink, ReadyEvent
 from services.engine.offload.placement import Placement
@@ -57,6 +58,12 @@ class HybridExpertProvider(OffloadedExpertProvider):
         self.gate = None
         if self.costs is not None and prefetch_depth > 0:
             self.gate = PrefetchGate(self._saving_per_hit(), self._copy_cpu_seconds())
+        # What the gate is told: which prefetcher filled each prefetched slot, and which evicted each
+        # recent victim (a miss on one is a hit that prefetcher displaced); None: the hot-set fill.
+        self._asking: int | None = None
+        self._issuer: dict[int, int | None] = {}  # slot index -> id(prefetcher)
+        self._fetched_peak = 0  # most misses one layer of this step fetched whole
+        self._ghosts: dict[int, dict[int, int]] = {}  # layer -> expert a prefetch evicted -> id(prefetcher)
         self.pinned = set(pinned)
         for key in pinned:
             self._pin_for_good(key)
@@ -64,12 +71,45 @@ class HybridExpertProvider(OffloadedExpertProvider):
     def begin_layer(
         self, layer: int, experts: list[int], ctx: StepContext, tokens: list[int] | None = None
     ) -> LayerPlan:
+        owed = self._settle_guesses(layer, experts) if self.gate is not None and not ctx.is_prefill else ()
+        self._asking = None
         plan = super().begin_layer(layer, experts, ctx, tokens)
+        for expert, issuer, ready in owed:
+            if expert in plan.device:  # computed on the device: the guess saved a miss (some of it, if late)
+                self.gate.credit(issuer, 1.0 if ready else 0.5)  # type: ignore[union-attr]
+        self._asking = None
         if self._hot_missing and not ctx.is_prefill:
             self._fill_hot_set(layer, ctx)
         return plan
 
+    def _settle_guesses(self, layer: int, experts: list[int]) -> list[tuple[int, int, bool]]:
+        """Debits each miss a prefetch's eviction caused (the victim's layer asked for it again on its next
+        visit: a hit had it stayed); returns the guesses this layer uses (expert, prefetcher, landed),
+        credited once placement shows where they run."""
+        ghosts = self._ghosts.pop(layer, {})
+        owed = []
+        for expert in experts:
+            slot = self.cache.lookup((layer, expert))
+            if slot is None:
+                if expert in ghosts:
+                    self.gate.credit(ghosts[expert], -1.0)  # type: ignore[union-attr]
+            elif slot.prefetched and self._issuer.get(slot.index) is not None:
+                owed.append((expert, self._issuer[slot.index], slot.ready))
+        return owed
+
+    def _prefetch_started(self, slot: Slot, evicted: Slot | None) -> None:
+        self._issuer[slot.index] = self._asking
+        if evicted is not None and self._asking is not None:
+            layer, expert = evicted.key  # type: ignore[misc]
+            self._ghosts.setdefault(layer, {})[expert] = self._asking
+
     def end_step(self, ctx: StepContext) -> None:
+        reserve = getattr(self.cache.eviction, "reserve", None)
+        if reserve is not None and self.gate is not None and not ctx.is_prefill:
+            # Slots beside the hot set: the link's prefetches while the gate asks for any, and room for
+            # the most misses a layer of this step fetched whole; the rest of the budget holds hot experts.
+            reserve(max(self.prefetch_depth if self.gate.asking() else 0, self._fetched_peak))
+        self._fetched_peak = 0
         super().end_step(ctx)
         if self.prefetch_depth > 0:  # the hot set changes at step ends only
             hot = getattr(self.cache.eviction, "hot", ())
@@ -110,13 +150,11 @@ class HybridExpertProvider(OffloadedExpertProvider):
         started = [e for e in inflight if e not in unstarted]
         fetch, host, split = self.placement.place(
             misses + unstarted + started, self._tokens, ctx, self.executor.backlog_seconds(), self._link_backlog(),
-            landing,
+            landing, self.staging.free if self.staging is not None else 0,
         )
         if not self.cache.slots:  # a budget the staging took whole: nothing can be fetched
             fetch, host = [], host + [e for e in fetch if e in misses]
-        room = self.staging.free if self.staging is not None else 0
-        if len(split) > room:  # more than the staging holds: the rest computed on the host whole
-            split, host = split[:room], host + split[room:]
+        self._fetched_peak = max(self._fetched_peak, len(fetch))
         waiting = [e for e in inflight if e not in host and e not in split]
         for expert in host + split:
             if expert in unstarted:
@@ -193,6 +231,7 @@ class HybridExpertProvider(OffloadedExpertProvider):
     def _plan(self, prefetcher, layer: int, ctx: StepContext) -> list[PrefetchRequest]:
         if self.gate is None:
             return prefetcher.plan(layer, ctx)
+        self._asking = id(prefetcher)
         is_new = lambda r: self.cache.lookup((r.layer, r.expert)) is None and self._likely(r)  # noqa: E731
         return self.gate.plan(prefetcher, layer, ctx, is_new, self._link_room())
 

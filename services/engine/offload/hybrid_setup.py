@@ -3,13 +3,12 @@ the host executor. Shared by the engine (offload/setup.py) and the simulator (si
 
 from __future__ import annotations
 
-import math
-
 from services.engine.offload.cost_model import PlacementCosts
 from services.engine.offload.host_store import Key
 from services.engine.offload.placement import CostPlacement, HostPlacement, Placement, SplitPrices
 from services.engine.offload.policies import OffloadPolicy
 from services.engine.offload.routing_trace import RoutingTrace
+from services.engine.offload.split_experts import staging_slots
 
 
 def is_hybrid(policy: OffloadPolicy) -> bool:
@@ -46,7 +45,7 @@ def hybrid_slots(
     if policy.placement == "host":
         return len(pinned)
     if policy.split_experts and split is not None:
-        return max(0, slots - math.ceil(staging * split.link))
+        return max(0, slots - staging_slots(staging, split))
     return slots
 
 

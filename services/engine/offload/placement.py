@@ -36,17 +36,17 @@ class Placement(ABC):
     @abstractmethod
     def place(
         self, misses: list[int], tokens: dict[int, int], ctx: StepContext, host_backlog: float,
-        link_backlog: float = 0.0, landing: dict[int, float] | None = None,
+        link_backlog: float = 0.0, landing: dict[int, float] | None = None, split_room: int = 0,
     ) -> Placed:
         """Where each miss goes; backlogs: seconds of work each side
         holds that a new job would wait behind; `landing`: seconds until an expert already on the link
-        lands (it costs no further link time)."""
+        lands (it costs no further link time); `split_room`: experts the staging can take split."""
 
 
 class HostPlacement(Placement):
     def place(
         self, misses: list[int], tokens: dict[int, int], ctx: StepContext, host_backlog: float,
-        link_backlog: float = 0.0, landing: dict[int, float] | None = None,
+        link_backlog: float = 0.0, landing: dict[int, float] | None = None, split_room: int = 0,
     ) -> Placed:
         return Placed([], misses, [])
 
@@ -59,7 +59,7 @@ class CostPlacement(Placement):
 
     def place(
         self, misses: list[int], tokens: dict[int, int], ctx: StepContext, host_backlog: float,
-        link_backlog: float = 0.0, landing: dict[int, float] | None = None,
+        link_backlog: float = 0.0, landing: dict[int, float] | None = None, split_room: int = 0,
     ) -> Placed:
         if ctx.is_prefill and self.stream_prefill:
             return Placed(misses, [], [])
@@ -72,7 +72,8 @@ class CostPlacement(Placement):
             lands = landing.get(expert)
             on_host = host_done + c.host(n)
             on_device = (link_done + c.link if lands is None else lands) + c.device(n)
-            halves = self.split_seconds(n, host_done, link_done) if lands is None else float("inf")
+            can_split = lands is None and len(placed.split) < split_room
+            halves = self.split_seconds(n, host_done, link_done) if can_split else float("inf")
             if on_host <= on_device and on_host <= halves:
                 placed.host.append(expert)
                 host_done = on_host

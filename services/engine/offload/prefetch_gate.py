@@ -5,10 +5,15 @@ minus the device's time, and a guess costs the prefetcher's own planning time on
 skip-gate runs later layers' routers), plus `issue_cost` per transfer it starts: compute-side work a copy
 takes on this machine (none behind a GPU's copy engine; a real memcpy on the cores an emulated link
 shares). On a large model the saving is milliseconds and the cost tens of microseconds; on a tiny one they
-are alike, and guessing slows decode. The gate keeps, per prefetcher, averages of that cost and of the time
-its guesses are expected to save (new guesses the link can take x the prefetcher's measured precision x the
-saving per hit), skips it while the cost is higher, and asks it again every `probe_every` layers so the
-averages follow the traffic.
+are alike, and guessing slows decode.
+
+The gate keeps, per prefetcher, averages of that cost and of the time its guesses are expected to save:
+new guesses the link can take x the prefetcher's measured precision x the saving per hit x how much of
+that its guesses have really saved. That last factor is measured by the provider, which `credit`s each
+guess that the device then computed (ready in time) and debits each miss on an expert a guess evicted:
+a precise guess into a full cache can still displace as many hits as it brings. The gate skips the
+prefetcher while the cost is higher, and asks it again every `probe_every` layers so the averages follow
+the traffic.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from services.engine.offload.prefetch.base import Prefetcher, PrefetchRequest
 from services.engine.step_context import StepContext
 
 _WEIGHT = 0.1  # of the newest sample in the averages
+_EVIDENCE = 4.0  # expected hits (decayed) before the realised share replaces the prior of 1
 
 
 class PrefetchGate:
@@ -33,6 +39,8 @@ class PrefetchGate:
         self.probe_every = probe_every
         self.cost: dict[int, float] = {}  # id(prefetcher) -> seconds per plan
         self.value: dict[int, float] = {}  # id(prefetcher) -> seconds saved per plan, expected
+        self.expected: dict[int, float] = {}  # id(prefetcher) -> hits its guesses promised (decayed sum)
+        self.realised: dict[int, float] = {}  # id(prefetcher) -> hits they brought, less those displaced
         self._skipped: dict[int, int] = {}
         self.skipped_total = 0
 
@@ -50,9 +58,31 @@ class PrefetchGate:
         requests = prefetcher.plan(layer, ctx)
         seconds = self.clock() - start
         issued = min(room, sum(1 for r in requests if is_new(r)))
+        hits = issued * _precision(prefetcher)
+        self.expected[key] = (1.0 - _WEIGHT) * self.expected.get(key, 0.0) + hits
+        self.realised[key] = (1.0 - _WEIGHT) * self.realised.get(key, 0.0)
         self.cost[key] = _average(self.cost.get(key), seconds + issued * self.issue_cost)
-        self.value[key] = _average(self.value.get(key), issued * _precision(prefetcher) * self.saving_per_hit)
+        self.value[key] = _average(self.value.get(key), hits * self.share(prefetcher) * self.saving_per_hit)
         return requests
+
+    def asking(self) -> bool:
+        """Whether some prefetcher is being asked (its guesses pay), as of its last plan."""
+        return any(cost <= self.value[key] for key, cost in self.cost.items()) or not self.cost
+
+    def credit(self, prefetcher_key: int, hits: float) -> None:
+        """`hits` (negative: hits lost) a prefetcher's earlier guesses turned out to be worth."""
+        self.realised[prefetcher_key] = self.realised.get(prefetcher_key, 0.0) + hits
+
+    def share(self, prefetcher: Prefetcher) -> float:
+        """The realised fraction of the hits its guesses promised, from 1 (no evidence yet) to what they
+        brought once they have promised a few; never below 0."""
+        key = id(prefetcher)
+        expected = self.expected.get(key, 0.0)
+        realised = self.realised.get(key, 0.0)
+        if expected <= 0.0:
+            return 1.0
+        weight = min(1.0, expected / _EVIDENCE)
+        return max(0.0, (1.0 - weight) + weight * realised / expected)
 
 
 def _precision(prefetcher: Prefetcher) -> float:

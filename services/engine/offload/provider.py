@@ -241,10 +241,14 @@ class OffloadedExpertProvider(ExpertProvider):
             target = (ctx.step_index + int(req.next_step), req.layer)
             transfer = self._start_transfer(slot, key, demand=False, priority=req.priority, target=target)
             slot.prefetched = slot.protected = True
+            self._prefetch_started(slot, evicted)
             self._prefetches.append((transfer, slot))
             self.stats.prefetches_issued += 1
             if limit is not None:
                 limit -= 1
+
+    def _prefetch_started(self, slot: Slot, evicted: Slot | None) -> None:
+        """A prefetch took `slot`, evicting `evicted` (a hybrid provider weighs what that cost)."""
 
     def _expire_prefetches(self, ctx: StepContext, layer: int) -> None:
         """Prefetches whose target layer has passed: cancel if not started, else stop protecting them."""

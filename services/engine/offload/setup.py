@@ -20,7 +20,7 @@ from services.engine.offload.host_executor import HostExecutor
 from services.engine.offload.host_store import HostExpertStore
 from services.engine.offload.hybrid_provider import HybridExpertProvider
 from services.engine.offload.hybrid_setup import hybrid_slots, is_hybrid, make_placement, pinned_experts
-from services.engine.offload.link import EmulatedLink, Link, expert_compute_seconds
+from services.engine.offload.link import EmulatedLink, Link, emulation_unit
 from services.engine.offload.prefetch import (
     AffinityPrefetcher,
     NextLayerPrefetcher,
@@ -32,7 +32,7 @@ from services.engine.offload.prefetch.hints import HintPrefetcher, HintStats
 from services.engine.offload.provider import OffloadedExpertProvider
 from services.engine.offload.routing_trace import RoutingTrace
 from services.engine.offload.settings import OffloadSettings
-from services.engine.offload.split_experts import layout_split_prices
+from services.engine.offload.split_experts import layout_split_prices, staging_buffers
 from services.engine.offload.stats import OffloadStats
 from services.engine.offload.transfer_engine import TransferEngine
 from services.engine.quant.layout import config_expert_layout
@@ -48,7 +48,7 @@ def make_link(settings: OffloadSettings, spec: ExpertGeometry, dtype: torch.dtyp
     if settings.link_bytes_per_second is not None:
         return EmulatedLink(settings.link_bytes_per_second)
     ratio = settings.link_ratio
-    per_expert = ratio * expert_compute_seconds(spec.hidden_size, spec.moe_intermediate_size, dtype)
+    per_expert = ratio * emulation_unit(spec.hidden_size, spec.moe_intermediate_size, dtype)
     log.info("emulated link: %.3f ms per expert (ratio %.1f)", per_expert * 1e3, ratio)
     # Bandwidth from the unquantized expert, so a packed one moves its fewer bytes faster (a fair comparison).
     return EmulatedLink((settings.link_reference_bytes or settings.expert_bytes) / per_expert)
@@ -124,7 +124,7 @@ def build_expert_provider(
                             _trace(settings, settings.policy.name) if settings.policy.needs_trace else None)
     split = layout_split_prices(store.layout)
     if is_hybrid(settings.policy):
-        settings = replace(settings, slots=hybrid_slots(settings.policy, settings.slots, pinned, split, spec.top_k))
+        settings = replace(settings, slots=hybrid_slots(settings.policy, settings.slots, pinned, split, staging_buffers(spec.top_k, split)))
     slots = settings.slots
     eviction = make_eviction(settings, spec)
     stats_type = HintStats if "hints" in settings.policy.prefetchers else OffloadStats
@@ -147,7 +147,7 @@ def build_expert_provider(
              costs.device(1) * 1e3, costs.host(1) * 1e3, costs.link * 1e3)
     return HybridExpertProvider(
         *parts, stream_slots=spec.top_k, fence=fence, pinned=pinned, prefetch_floor=settings.policy.prefetch_floor,
-        prefetch_depth=settings.policy.prefetch_depth, split_staging=spec.top_k,
+        prefetch_depth=settings.policy.prefetch_depth, split_staging=staging_buffers(spec.top_k, split),
         placement=make_placement(settings.policy, costs, split),
         executor=HostExecutor(settings.host_threads, stats, emulated),
     )

@@ -10,6 +10,8 @@ expert's fused kernel does not split.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from services.engine.offload.host_store import ExpertLayout
@@ -24,6 +26,19 @@ def split_prices(chunk_bytes: tuple[int, ...], dense: bool) -> SplitPrices | Non
     return SplitPrices(host=gate_up / (gate_up + down), link=down / (gate_up + down), device=down / (gate_up + down))
 
 
+def staging_buffers(top_k: int, split: SplitPrices | None) -> int:
+    """Down-matrix buffers for one layer's split experts: top-k (what one token splits), rounded up to as
+    many as the whole cache slots they cost hold, since a batch splits more experts a layer."""
+    if split is None:
+        return 0
+    return max(top_k, int(staging_slots(top_k, split) / split.link + 1e-9))
+
+
+def staging_slots(buffers: int, split: SplitPrices) -> int:
+    """Cache slots `buffers` down matrices take out of the budget."""
+    return math.ceil(buffers * split.link - 1e-9)
+
+
 def layout_split_prices(layout: ExpertLayout) -> SplitPrices | None:
     """The engine's: the dense layout splits, a packed one (quant/layout.py) does not."""
     down = layout.numel - layout.gate_up_numel
@@ -31,9 +46,8 @@ def layout_split_prices(layout: ExpertLayout) -> SplitPrices | None:
 
 
 class DownStaging:
-    """Device buffers for the down matrices of a layer's split experts, reused layer after layer: top-k of
-    them (what one token splits), so the budget gives up little; a layer that would split more computes the
-    rest on the host."""
+    """Device buffers for the down matrices of a layer's split experts, reused layer after layer (as many as
+    `staging_buffers` gives), so the budget gives up little; the placement splits no more than are free."""
 
     def __init__(self, layout: ExpertLayout, device: torch.device | str, capacity: int) -> None:
         self.shape = layout.down_shape

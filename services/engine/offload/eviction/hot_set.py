@@ -3,7 +3,8 @@
 Each expert's use (steps that route to it: a prefill counts once, as one decode step, since counting its
 tokens would let one prompt's prefill outweigh the decode it precedes; measured: 0.52 against 0.67 decode
 hit rate at batch 1) is counted with exponential decay over steps (half-life `half_life` steps), so the
-set follows the traffic without a recorded trace. The `slots - reserve` most used experts are the hot set:
+set follows the traffic without a recorded trace. The `slots - reserve` most used experts are the hot set
+(the hybrid provider sets the reserve each step to what its prefetches and fetches use):
 victims come from outside it first (least used first), and a prefetch is admitted only when its victim
 is outside it, so speculation never costs a hit the hot set would have given. A demand fetch may evict
 anything: the router has spoken.
@@ -24,11 +25,16 @@ class HotSetEviction(EvictionPolicy):
     name = "hot-set"
 
     def __init__(self, slots: int, reserve: int, half_life: float = 64.0) -> None:
+        self.slots = slots
         self.hot_size = max(0, slots - reserve)
         self.growth = 2.0 ** (1.0 / half_life)
         self.unit = 1.0  # what one use adds now; grows by `growth` per step (decay without touching counts)
         self.counts: dict[Key, float] = {}
         self.hot: set[Key] = set()
+
+    def reserve(self, slots: int) -> None:
+        """Keeps `slots` outside the hot set from the next step on (what the prefetches and fetches use)."""
+        self.hot_size = max(0, self.slots - slots)
 
     def on_access(self, key: Key, ctx: StepContext) -> None:
         self.counts[key] = self.counts.get(key, 0.0) + self.unit

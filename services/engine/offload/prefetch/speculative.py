@@ -29,6 +29,7 @@ class SpeculativePrefetcher(Prefetcher):
         # Precision of the guesses, measured against the router once the step has run: turns a guess into
         # the probability the eviction policy weighs it with.
         self.tracker = GuessTracker(precision=0.8)
+        self._targets: dict[int, list[tuple[int, int, bool]]] = {}  # layer -> targets(...), which never change
 
     def guess(self, layer: int, target: int, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """(experts [tokens, k], scores [tokens, experts]) `target`'s router would pick from `layer`'s input:
@@ -39,18 +40,26 @@ class SpeculativePrefetcher(Prefetcher):
         return torch.topk(routing.probs, self.top_k, dim=-1).indices, routing.probs
 
     def plan(self, layer: int, ctx: StepContext) -> list[PrefetchRequest]:
+        plan = self._targets.get(layer)
+        if plan is None:
+            plan = self._targets[layer] = targets(layer, self.distance, self.spec.moe_layers)
+        # Per target: each expert's votes (tokens choosing it), mean score and best score, read back to
+        # Python in one transfer; small-tensor ops and unique() cost more than the routers themselves.
+        rows = []
+        for _, target, _ in plan:
+            chosen, probs = self.guess(layer, target, ctx)
+            votes = torch.bincount(chosen.flatten(), minlength=probs.shape[-1]).to(probs.dtype)
+            rows += (votes, probs.mean(dim=0), probs.amax(dim=0))
+        table = torch.stack(rows).tolist()
         requests = []
         miss = 1.0 - self.tracker.precision
-        for hops, target, next_step in targets(layer, self.distance, self.spec.moe_layers):
-            chosen, probs = self.guess(layer, target, ctx)
-            experts, votes = chosen.flatten().unique(return_counts=True)
-            mean = probs.mean(dim=0)
-            confidence = probs.max(dim=0).values.tolist() if self.min_confidence > 0 else None
-            for e, n in zip(experts.tolist(), votes.tolist()):
-                if confidence is not None and confidence[e] < self.min_confidence:
+        for i, (hops, target, next_step) in enumerate(plan):
+            votes, mean, best = table[3 * i : 3 * i + 3]
+            for e, n in enumerate(votes):
+                if not n or best[e] < self.min_confidence:
                     continue
-                p_used = 1.0 - miss**n  # some token of the batch routes to e
-                requests.append(PrefetchRequest(target, e, float(mean[e]) / hops, next_step, p_used))
+                p_used = 1.0 - miss ** int(n)  # some token of the batch routes to e
+                requests.append(PrefetchRequest(target, e, mean[e] / hops, next_step, p_used))
                 if not next_step:
                     self.tracker.guess(target, e)
         return requests
