@@ -92,9 +92,9 @@ class EmulatedLink(Link):
 @functools.cache
 def emulation_unit(hidden: int, intermediate: int, dtype: torch.dtype, tokens: int = 1) -> float:
     """The unit --link-ratio and --host-ratio multiply: one expert's time on `tokens` tokens here, the best
-    of three medians (a busy moment must not inflate it), measured once per process, so that every engine
+    of five medians (a busy moment must not inflate it), measured once per process, so that every engine
     of a process emulates the same link and host (a benchmark's policies, side by side)."""
-    return min(expert_compute_seconds(hidden, intermediate, dtype, 30, tokens) for _ in range(3))
+    return min(expert_compute_seconds(hidden, intermediate, dtype, 50, tokens) for _ in range(5))
 
 
 def expert_compute_seconds(
