@@ -62,3 +62,23 @@ def test_engine_generates_the_same_tokens_packed_or_not(tiny_mixtral_dir: str) -
     assert packed.model.experts.stacked_experts(0).packed
     packed.model.warm_up(64, 8)
     assert packed.generate(prompts, params) == plain.generate(prompts, params)
+
+
+def test_one_row_takes_mkl_gemv_on_small_weights_only(monkeypatch) -> None:
+    """oneDNN is slower than MKL's GEMV for a single row on every weight but an LM head's size."""
+    from services.engine.models import packed_linear
+
+    if not packing_supported("cpu", torch.float32):
+        pytest.skip("no oneDNN here")
+    calls: list[int] = []
+    kernel = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: (calls.append(x.shape[0]), kernel(x, *a))[1])
+    small = PackedLinear(torch.randn(96, 40), None, pack=True)
+    x = torch.randn(1, 40)
+    assert torch.equal(small(x), F.linear(x, small.weight)) and calls == []
+    small(torch.randn(2, 40))
+    assert calls == [2]
+    monkeypatch.setattr(packed_linear, "_SMALL", 96 * 40 - 1)  # now too large for the GEMV
+    large = PackedLinear(torch.randn(96, 40), None, pack=True)
+    large(x)
+    assert calls == [2, 1]

@@ -2,9 +2,10 @@
 
 On this class of CPU, MKL's fp32 GEMM reaches 30-95 GFLOP/s on our small shapes; oneDNN on a weight reordered
 once at load time reaches 100-230 GFLOP/s from a few rows up (the 8000 x 256 LM head: 2.5x faster at 16 rows).
-For one to three rows plain mm is faster on a small weight in isolation, but in the engine every packed layer
-takes the packed kernel at every row count: one copy of each weight in the cache, not two, is worth more
-(decode steps at 16 and 32 sequences 3-4% faster, one sequence level).
+For a single row MKL's GEMV is faster on every weight but the LM head (this session's EPYC: o-proj 6 against
+16 us, an expert's down 18 against 44), and a one-sequence decode step is 17% faster taking it there
+(6.71 -> 5.54 ms, steps alternating in one run); from two rows on every packed layer takes the packed kernel
+(one copy of each weight in the cache, not two: decode at 16 and 32 sequences 3-4% faster).
 
 oneDNN builds (JIT-compiles) a kernel per input shape on first use, about 2 ms each, and caches 1024 of them;
 MoE experts see a different row count nearly every step, so rows are padded up to a few dozen buckets
@@ -18,6 +19,8 @@ import os
 
 import torch
 import torch.nn.functional as F
+
+_SMALL = 1 << 19  # weights up to this many elements (2 MiB in fp32) take MKL's GEMV for one row
 
 
 def padded_rows(rows: int) -> int:
@@ -67,11 +70,12 @@ class PackedLinear:
         self.weight = weight
         self.bias = bias
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None) if pack else None
+        self.small = weight.numel() <= _SMALL
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
         rows = x.shape[0]
+        if self.packed is None or (rows == 1 and self.small):
+            return F.linear(x, self.weight, self.bias)
         padded = padded_rows(rows)
         if padded != rows:
             x = torch.cat((x, x.new_zeros(padded - rows, x.shape[1])))
