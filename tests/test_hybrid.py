@@ -352,3 +352,26 @@ def test_host_executor_leaves_the_compute_threads_as_they_were(monkeypatch) -> N
         executor.submit(weights, torch.randn(3, 4)).result()
     executor.shutdown()
     assert calls == []
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="timer slack is Linux's")
+def test_emulated_sides_sleep_without_timer_slack() -> None:
+    """An emulated host job or link copy is held by a sleep, which Linux ends up to 50 us late by default."""
+    import ctypes
+    import threading
+
+    from services.engine.offload.host_executor import HostExecutor
+    from services.engine.offload.link import precise_sleeps
+    from services.engine.offload.stats import OffloadStats
+
+    slack = lambda: ctypes.CDLL(None).prctl(30, 0, 0, 0, 0)  # noqa: E731  PR_GET_TIMERSLACK, in ns
+    executor = HostExecutor(1, OffloadStats(1))
+    try:
+        assert executor._pool.submit(slack).result() == 1
+    finally:
+        executor.shutdown()
+    seen: list[int] = []
+    thread = threading.Thread(target=lambda: (precise_sleeps(), seen.append(slack())))
+    thread.start()
+    thread.join()
+    assert seen == [1] and slack() > 1  # per thread: the caller's own slack is untouched

@@ -22,6 +22,7 @@ import torch
 
 from services.engine.expert_provider import ExpertWeights
 from services.engine.models.moe import expert_activation, expert_forward
+from services.engine.offload.link import precise_sleeps
 from services.engine.offload.stats import OffloadStats
 
 
@@ -36,7 +37,7 @@ class HostExecutor:
         self._emulated_seconds = emulated_seconds
         # No torch.set_num_threads in the workers: it is process-wide, and set from a worker it left the
         # compute thread's small parallel ops (decode attention's softmax) taking milliseconds each.
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="hintserve-host")
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="hintserve-host", initializer=precise_sleeps)
         self._lock = threading.Lock()
         self._busy_until = 0.0  # emulation: when the virtual host finishes its queued work
 

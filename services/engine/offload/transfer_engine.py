@@ -16,7 +16,7 @@ from enum import Enum, auto
 import torch
 
 from services.engine.offload.host_store import Key
-from services.engine.offload.link import Link, ReadyEvent
+from services.engine.offload.link import Link, ReadyEvent, precise_sleeps
 from services.engine.offload.stats import OffloadStats
 
 
@@ -96,6 +96,7 @@ class TransferEngine:
         return None
 
     def _run(self) -> None:
+        precise_sleeps()  # an emulated link holds each copy by sleeping
         while True:
             with self._cond:
                 transfer = self._pop()
