@@ -138,9 +138,10 @@ def build_offload(
     )
     pinned = pinned_experts(policy, spec, slots, RoutingTrace.load(trace_path) if policy.needs_trace else None)
     split = split_prices(spec.expert_chunk_bytes, dense=spec.expert_precision.bits >= 16)
+    staging = staging_buffers(spec.top_k, split)
     if is_hybrid(policy):
         budget = 0 if policy.pinned == "nothing" else slots
-        settings = replace(settings, slots=hybrid_slots(policy, budget, pinned, split, staging_buffers(spec.top_k, split)))
+        settings = replace(settings, slots=hybrid_slots(policy, budget, pinned, split, staging))
         slots = settings.slots
     stats_type = HintStats if "hints" in policy.prefetchers else OffloadStats
     stats = stats_type(spec.num_layers, slots_total=slots, expert_bytes=spec.expert_bytes)
@@ -158,7 +159,7 @@ def build_offload(
         host = SimHostExecutor(cost, clock, stats)
         provider = HybridExpertProvider(
             *parts, stream_slots=spec.top_k, executor=host, pinned=pinned, prefetch_floor=policy.prefetch_floor,
-            prefetch_depth=policy.prefetch_depth, split_staging=staging_buffers(spec.top_k, split),
+            prefetch_depth=policy.prefetch_depth, split_staging=staging,
             placement=make_placement(policy, placement_costs(cost, spec.expert_bytes), split),
         )
     hint_link = None

@@ -75,4 +75,3 @@ class HostExecutor:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
-

@@ -72,12 +72,11 @@ class HybridExpertProvider(OffloadedExpertProvider):
         self, layer: int, experts: list[int], ctx: StepContext, tokens: list[int] | None = None
     ) -> LayerPlan:
         owed = self._settle_guesses(layer, experts) if self.gate is not None and not ctx.is_prefill else ()
-        self._asking = None
         plan = super().begin_layer(layer, experts, ctx, tokens)
         for expert, issuer, ready in owed:
             if expert in plan.device:  # computed on the device: the guess saved a miss (some of it, if late)
                 self.gate.credit(issuer, 1.0 if ready else 0.5)  # type: ignore[union-attr]
-        self._asking = None
+        self._asking = None  # the prefetchers asked in super() are done; the hot-set fill is nobody's guess
         if self._hot_missing and not ctx.is_prefill:
             self._fill_hot_set(layer, ctx)
         return plan

@@ -91,15 +91,15 @@ class EmulatedLink(Link):
         event.set()  # type: ignore[attr-defined]
 
 
+_PR_SET_TIMERSLACK = 29
+
+
 def precise_sleeps() -> None:
     """This thread's sleeps end when asked, not up to Linux's default 50 us timer slack later (measured: a
     0.5 ms sleep overshot by 82 us, 34 with the slack at 1 ns): the emulated link and host hold each job by
     sleeping, and the overshoot would add to every price. Per thread; a no-op off Linux."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(_PR_SET_TIMERSLACK, 1, 0, 0, 0)
-
-
-_PR_SET_TIMERSLACK = 29
 
 
 @functools.cache

@@ -123,8 +123,9 @@ def build_expert_provider(
     pinned = pinned_experts(settings.policy, spec, settings.slots,
                             _trace(settings, settings.policy.name) if settings.policy.needs_trace else None)
     split = layout_split_prices(store.layout)
+    staging = staging_buffers(spec.top_k, split)
     if is_hybrid(settings.policy):
-        settings = replace(settings, slots=hybrid_slots(settings.policy, settings.slots, pinned, split, staging_buffers(spec.top_k, split)))
+        settings = replace(settings, slots=hybrid_slots(settings.policy, settings.slots, pinned, split, staging))
     slots = settings.slots
     eviction = make_eviction(settings, spec)
     stats_type = HintStats if "hints" in settings.policy.prefetchers else OffloadStats
@@ -147,7 +148,7 @@ def build_expert_provider(
              costs.device(1) * 1e3, costs.host(1) * 1e3, costs.link * 1e3)
     return HybridExpertProvider(
         *parts, stream_slots=spec.top_k, fence=fence, pinned=pinned, prefetch_floor=settings.policy.prefetch_floor,
-        prefetch_depth=settings.policy.prefetch_depth, split_staging=staging_buffers(spec.top_k, split),
+        prefetch_depth=settings.policy.prefetch_depth, split_staging=staging,
         placement=make_placement(settings.policy, costs, split),
         executor=HostExecutor(settings.host_threads, stats, emulated),
     )
