@@ -64,21 +64,42 @@ def test_engine_generates_the_same_tokens_packed_or_not(tiny_mixtral_dir: str) -
     assert packed.generate(prompts, params) == plain.generate(prompts, params)
 
 
-def test_one_row_takes_mkl_gemv_on_small_weights_only(monkeypatch) -> None:
-    """oneDNN is slower than MKL's GEMV for a single row on every weight but an LM head's size."""
-    from services.engine.models import packed_linear
-
+def test_one_row_takes_mkl_on_the_in_out_layout(monkeypatch) -> None:
+    """One row of any size (an LM head's too) goes to MKL on the weight stored [in, out]; two rows to oneDNN."""
     if not packing_supported("cpu", torch.float32):
         pytest.skip("no oneDNN here")
     calls: list[int] = []
     kernel = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: (calls.append(x.shape[0]), kernel(x, *a))[1])
-    small = PackedLinear(torch.randn(96, 40), None, pack=True)
+    w = torch.randn(96, 40)
+    layer = PackedLinear(w, None, pack=True)
+    assert torch.equal(layer.weight, w) and layer.weight.t().is_contiguous()  # the same values, laid [in, out]
     x = torch.randn(1, 40)
-    assert torch.equal(small(x), F.linear(x, small.weight)) and calls == []
-    small(torch.randn(2, 40))
+    torch.testing.assert_close(layer(x), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    assert calls == []
+    layer(torch.randn(2, 40))
     assert calls == [2]
-    monkeypatch.setattr(packed_linear, "_SMALL", 96 * 40 - 1)  # now too large for the GEMV
-    large = PackedLinear(torch.randn(96, 40), None, pack=True)
-    large(x)
-    assert calls == [2, 1]
+    head = PackedLinear(torch.randn(8000, 256), None, pack=True)  # the demo model's LM head
+    head(torch.randn(1, 256))
+    assert calls == [2]
+    expert_view = torch.randn(40, 96).t()  # experts are stacked [in, out] already: no second copy
+    assert PackedLinear(expert_view, None, pack=True).weight.data_ptr() == expert_view.data_ptr()
+    assert PackedLinear(w, None, pack=False).weight is w  # unpacked layers keep the weight as given
+
+
+def test_model_keeps_one_plain_copy_of_relaid_weights(tiny_mixtral_dir: str) -> None:
+    """The packed LM head and o projections are relaid [in, out]; the model's weights then point at those."""
+    from services.engine.config import EngineConfig
+    from services.engine.llm_engine import LLMEngine
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        engine = LLMEngine(EngineConfig(model=tiny_mixtral_dir, max_num_seqs=2))
+    finally:
+        torch.set_num_threads(before)
+    model = engine.model
+    if model.lm_head.packed is None:
+        pytest.skip("packing needs oneDNN and a second core")
+    assert model.w.lm_head is model.lm_head.weight
+    assert all(layer.attention.o is o.weight for layer, o in zip(model.w.layers, model.o))

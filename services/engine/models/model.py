@@ -60,6 +60,9 @@ class MoECausalLM:
                 continue
             self.qkv.append(PackedLinear(torch.cat((a.q, a.k, a.v)), _cat_biases(a), pack))
             self.o.append(PackedLinear(a.o, a.o_bias, pack))
+            a.o = self.o[-1].weight  # the same values; a packed layer may have relaid them (one copy, not two)
+        if weights.lm_head is not weights.embed:  # a tied head stays row-major for the embedding's lookups
+            weights.lm_head = self.lm_head.weight
         self.qkv_sizes = (spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim,
                           spec.num_kv_heads * spec.head_dim)
 

@@ -2,10 +2,12 @@
 
 On this class of CPU, MKL's fp32 GEMM reaches 30-95 GFLOP/s on our small shapes; oneDNN on a weight reordered
 once at load time reaches 100-230 GFLOP/s from a few rows up (the 8000 x 256 LM head: 2.5x faster at 16 rows).
-For a single row MKL's GEMV is faster on every weight but the LM head (this session's EPYC: o-proj 6 against
-16 us, an expert's down 18 against 44), and a one-sequence decode step is 17% faster taking it there
-(6.71 -> 5.54 ms, steps alternating in one run); from two rows on every packed layer takes the packed kernel
-(one copy of each weight in the cache, not two: decode at 16 and 32 sequences 3-4% faster).
+A single row is a matrix-vector product, bound by reading the weight: there MKL on the weight stored as
+[in, out] (each input element scales one contiguous row) beats both oneDNN and MKL on [out, in], where each
+output is a separate dot product. Measured on this session's AVX2 EPYC, cold, one row: the LM head 480 us
+against oneDNN's 945 and 1000 on [out, in]; an expert's gate/up 122 against 231 and 166. So a packed layer
+keeps its plain weight in that layout (`weight` is a transposed view of it: same values, F.linear's meaning
+unchanged) and sends one row there; from two rows on every packed layer takes the packed kernel.
 
 oneDNN builds (JIT-compiles) a kernel per input shape on first use, about 2 ms each, and caches 1024 of them;
 MoE experts see a different row count nearly every step, so rows are padded up to a few dozen buckets
@@ -19,8 +21,6 @@ import os
 
 import torch
 import torch.nn.functional as F
-
-_SMALL = 1 << 19  # weights up to this many elements (2 MiB in fp32) take MKL's GEMV for one row
 
 
 def padded_rows(rows: int) -> int:
@@ -67,14 +67,14 @@ class PackedLinear:
     """y = x @ weight.T + bias, with `weight` also prepacked for oneDNN when `pack` (see packing_supported)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> None:
-        self.weight = weight
-        self.bias = bias
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None) if pack else None
-        self.small = weight.numel() <= _SMALL
+        # Packed: the plain copy, for one row, stored [in, out] (no copy when it already is, as experts are).
+        self.weight = weight.t().contiguous().t() if pack else weight
+        self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if self.packed is None or (rows == 1 and self.small):
+        if self.packed is None or rows == 1:
             return F.linear(x, self.weight, self.bias)
         padded = padded_rows(rows)
         if padded != rows:
