@@ -6,14 +6,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from services.bench.offload_bench import run_offload_bench
 
 
 def test_offload_bench_rows_and_oracle_alignment(tiny_mixtral_dir: str, tmp_path: Path) -> None:
     out = tmp_path / "offload.json"
+    threads = torch.get_num_threads()
     result = run_offload_bench(
         tiny_mixtral_dir, ["resident", "lru", "lru@next-use", "oracle", "oracle@lookahead"], [0.5], [2.0], [2], str(out), new_tokens=6
     )
+    assert torch.get_num_threads() == threads  # the run's serving thread count is its own, not the process's
     rows = {r["policy"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows.keys() == {"resident", "lru", "lru@next-use", "oracle", "oracle@lookahead"} and result["rows"]
     assert all(r["tokens_identical_to_resident"] for r in rows.values())

@@ -90,14 +90,11 @@ def test_one_row_takes_mkl_on_the_in_out_layout(monkeypatch) -> None:
 def test_model_keeps_one_plain_copy_of_relaid_weights(tiny_mixtral_dir: str) -> None:
     """The packed LM head and o projections are relaid [in, out]; the model's weights then point at those."""
     from services.engine.config import EngineConfig
+    from services.engine.engine_core import intra_op_threads
     from services.engine.llm_engine import LLMEngine
 
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with intra_op_threads(1):
         engine = LLMEngine(EngineConfig(model=tiny_mixtral_dir, max_num_seqs=2))
-    finally:
-        torch.set_num_threads(before)
     model = engine.model
     if model.lm_head.packed is None:
         pytest.skip("packing needs oneDNN and a second core")

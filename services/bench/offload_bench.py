@@ -8,13 +8,12 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 
-import torch
 from tqdm import tqdm
 
 from services.bench.prompts import prompt_ids
 from services.common.report import bar_plot, markdown_table, run_header, write_json, write_markdown
 from services.engine.config import EngineConfig
-from services.engine.engine_core import core_threads
+from services.engine.engine_core import core_threads, intra_op_threads
 from services.engine.llm_engine import LLMEngine
 from services.engine.models.geometry import total_experts
 from services.engine.offload.policies import get_policy
@@ -121,8 +120,6 @@ def run_offload_bench(
     bf16, so packed experts get more slots in the same budget. Static hot sets are counted on the warm-up
     prompts (a calibration set, disjoint from the measured ones) unless `hot_set_from` is "measured"; the
     bounds (oracle, belady) always replay the measured run."""
-    if device == "cpu":  # the intra-op threads `hintserve serve` gives its engine core (the rest: link, host)
-        torch.set_num_threads(core_threads())
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     # A serving engine's cache is warm from earlier traffic: every engine first serves other prompts (not
     # measured), and the reference does the same so that recorded and replayed steps line up.
@@ -131,43 +128,45 @@ def run_offload_bench(
     trace_dir = tempfile.mkdtemp(prefix="hintserve-trace-")
     cases = [(d, c, r, b) for d in expert_dtypes for c in caches for r in ratios for b in batches]
     progress = tqdm(total=len(cases) * len(policies) * repeats, desc="bench offload", unit="run")
-    for dtype, cache, ratio, batch in cases:
-        quant = dict(expert_dtype=dtype, expert_group_size=group_size)
-        reference = LLMEngine(EngineConfig(model=model_dir, max_num_seqs=max(batch, 1), device=device, **quant))
-        size = ({"expert_cache_fraction": cache} if dtype == "auto" else
-                {"expert_cache_gb": cache * total_experts(reference.spec) * reference.spec.expert_params * 2 / 1e9})
-        warm, prompts = _split(prompt_ids(reference.tokenizer, 2 * batch), batch)
-        trace, calibration = RoutingTrace(reference.spec.num_layers), RoutingTrace(reference.spec.num_layers)
-        reference.runner.step_observers += [trace, calibration]
-        _run(reference, warm, warm_params)
-        reference.runner.step_observers.remove(calibration)
-        expected, *_ = _run(reference, prompts, params)
-        trace_path = os.path.join(trace_dir, f"trace-{dtype}-b{batch}.json")
-        trace.save(trace_path)
-        hot_set_path = trace_path
-        if hot_set_from == "warmup":
-            hot_set_path = os.path.join(trace_dir, f"calibration-{dtype}-b{batch}.json")
-            calibration.save(hot_set_path)
-        reference.close()
-        # Repeats go round the policies, so a slow spell on a shared machine falls on all of them alike.
-        samples: dict[str, list[Row]] = {policy: [] for policy in policies}
-        for _ in range(repeats):
-            for policy in policies:
-                name, _, eviction = policy.partition("@")  # "policy@eviction" swaps the policy's eviction
-                engine = LLMEngine(EngineConfig(
-                    model=model_dir, max_num_seqs=max(batch, 1), offload_policy=name, eviction=eviction or None,
-                    link_ratio=ratio, routing_trace=hot_set_path if get_policy(name).pinned == "hot" else trace_path,
-                    device=device, link=link, **size, **quant,
-                ))
-                _run(engine, warm, warm_params)
-                tokens, ttft, tpot, counters = _run(engine, prompts, params)
-                row = _row(policy, cache, ratio, batch, engine, tokens, expected, ttft, tpot, counters,
-                           batch * (new_tokens - 1))
-                slots = getattr(getattr(engine.model.experts, "cache", None), "num_slots", 0)
-                samples[policy].append(replace(row, expert_dtype=dtype, cache_experts=slots))
-                engine.close()
-                progress.update()
-        rows += [_median_row(samples[policy]) for policy in policies]
+    # The intra-op threads `hintserve serve` gives its engine core (the rest: link, host), for this run only.
+    with intra_op_threads(core_threads() if device == "cpu" else None):
+        for dtype, cache, ratio, batch in cases:
+            quant = dict(expert_dtype=dtype, expert_group_size=group_size)
+            reference = LLMEngine(EngineConfig(model=model_dir, max_num_seqs=max(batch, 1), device=device, **quant))
+            size = ({"expert_cache_fraction": cache} if dtype == "auto" else
+                    {"expert_cache_gb": cache * total_experts(reference.spec) * reference.spec.expert_params * 2 / 1e9})
+            warm, prompts = _split(prompt_ids(reference.tokenizer, 2 * batch), batch)
+            trace, calibration = RoutingTrace(reference.spec.num_layers), RoutingTrace(reference.spec.num_layers)
+            reference.runner.step_observers += [trace, calibration]
+            _run(reference, warm, warm_params)
+            reference.runner.step_observers.remove(calibration)
+            expected, *_ = _run(reference, prompts, params)
+            trace_path = os.path.join(trace_dir, f"trace-{dtype}-b{batch}.json")
+            trace.save(trace_path)
+            hot_set_path = trace_path
+            if hot_set_from == "warmup":
+                hot_set_path = os.path.join(trace_dir, f"calibration-{dtype}-b{batch}.json")
+                calibration.save(hot_set_path)
+            reference.close()
+            # Repeats go round the policies, so a slow spell on a shared machine falls on all of them alike.
+            samples: dict[str, list[Row]] = {policy: [] for policy in policies}
+            for _ in range(repeats):
+                for policy in policies:
+                    name, _, eviction = policy.partition("@")  # "policy@eviction" swaps the policy's eviction
+                    engine = LLMEngine(EngineConfig(
+                        model=model_dir, max_num_seqs=max(batch, 1), offload_policy=name, eviction=eviction or None,
+                        link_ratio=ratio, routing_trace=hot_set_path if get_policy(name).pinned == "hot" else trace_path,
+                        device=device, link=link, **size, **quant,
+                    ))
+                    _run(engine, warm, warm_params)
+                    tokens, ttft, tpot, counters = _run(engine, prompts, params)
+                    row = _row(policy, cache, ratio, batch, engine, tokens, expected, ttft, tpot, counters,
+                               batch * (new_tokens - 1))
+                    slots = getattr(getattr(engine.model.experts, "cache", None), "num_slots", 0)
+                    samples[policy].append(replace(row, expert_dtype=dtype, cache_experts=slots))
+                    engine.close()
+                    progress.update()
+            rows += [_median_row(samples[policy]) for policy in policies]
     progress.close()
     result = {**run_header(), "model": os.path.abspath(model_dir), "new_tokens": new_tokens,
               "hot_set_from": hot_set_from,

@@ -18,11 +18,13 @@ A CoreOutput is (request_id, serial, token_id or None, prompt_tokens, completion
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 
 import torch
@@ -139,6 +141,19 @@ def core_threads() -> int:
     if os.environ.get("OMP_NUM_THREADS"):
         return torch.get_num_threads()
     return max(1, (os.cpu_count() or 1) - 1)
+
+
+@contextlib.contextmanager
+def intra_op_threads(threads: int | None) -> Iterator[None]:
+    """torch's intra-op thread count (process-wide) at `threads` inside the block, restored after; None:
+    left as it is."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def engine_core_main(config: EngineConfig, requests: Connection, outputs: Connection) -> None:
