@@ -87,7 +87,8 @@ class ModelRunner:
         tables = self._tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs])
         offsets = torch.arange(max_blocks * bs, device=self.device)
         context_slots = (tables[:, :, None] * bs + offsets[:bs]).view(len(seqs), -1)
-        mask = (offsets[None, :] <= self._tensor(positions)[:, None])[:, None, None, :]
+        position_tensor = self._tensor(positions)
+        mask = (offsets[None, :] <= position_tensor[:, None])[:, None, None, :]
         meta = AttentionMetadata(
             is_prefill=False,
             slot_mapping=self._tensor(slots),
@@ -96,6 +97,7 @@ class ModelRunner:
             block_size=bs,
             context_slots=context_slots,
             context_mask=mask,
+            context_lens=position_tensor + 1,
         )
         input_ids = self._tensor([s.last_token_id for s in seqs])
-        return input_ids, self._tensor(positions), meta, None
+        return input_ids, position_tensor, meta, None

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from services.engine import cpu_kernels
+
 
 @dataclass
 class AttentionMetadata:
@@ -21,6 +23,7 @@ class AttentionMetadata:
     block_size: int = 0
     context_slots: torch.Tensor | None = None  # [batch, max_blocks * block_size]: the same, slot by slot (MLA)
     context_mask: torch.Tensor | None = None  # [batch, 1, 1, max_blocks * block_size] True where attended
+    context_lens: torch.Tensor | None = None  # [batch] int64: tokens each sequence attends (the new one included)
     # decode_attention's additive mask, [kv_heads * batch, 1, context]: made by the first layer, shared by all.
     decode_bias: torch.Tensor | None = None
 
@@ -82,12 +85,17 @@ def decode_attention(
 ) -> torch.Tensor:
     """q: [B, Hq, D], one new token per sequence; keys and values gathered from the paged cache by block.
 
-    Two batched GEMMs over (kv head, sequence) with each kv head's query group as the rows: on CPU this is
-    several times faster than SDPA's kernel for a single query row.
+    With the native CPU kernel (one torch thread, fp32): each cached key and value read once, in place.
+    Otherwise two batched GEMMs over (kv head, sequence) with each kv head's query group as the rows, on a
+    gathered copy of the context: on CPU several times faster than SDPA's kernel for a single query row.
     """
+    kv_heads, _, head_dim = k_cache.shape
+    if (meta.context_lens is not None and cpu_kernels.attention_shapes_supported(head_dim)
+            and cpu_kernels.usable(q)):
+        return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                                  meta.block_size, scale)
     tables = meta.block_tables.flatten()  # type: ignore[union-attr]
     batch = q.shape[0]
-    kv_heads, _, head_dim = k_cache.shape
     group = q.shape[1] // kv_heads
     width = meta.block_size * head_dim
     keys = k_cache.view(kv_heads, -1, width).index_select(1, tables).view(kv_heads * batch, -1, head_dim)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from services.engine import cpu_kernels
 from services.engine.expert_provider import ExpertProvider
 from services.engine.models.attention import (
     AttentionMetadata,
@@ -77,7 +78,10 @@ class MoECausalLM:
         self.v_caches = [torch.zeros(shape, dtype=e.dtype, device=e.device) for _ in layers]
 
     def warm_up(self, max_tokens: int, max_seqs: int) -> None:
-        """Builds oneDNN's kernels for every row count a step can bring (see packed_linear), once per shape."""
+        """Builds oneDNN's kernels for every row count a step can bring (see packed_linear), once per shape, and
+        the native CPU kernels (cpu_kernels), so no request waits for a compiler."""
+        if self.w.embed.device.type == "cpu" and self.w.embed.dtype == torch.float32:
+            cpu_kernels.library()
         linears = [lin for lin in (*self.qkv, *self.o) if lin is not None]
         for i in range(self.spec.num_layers):
             stacked = self.experts.stacked_experts(i) if self.spec.moe_layers[i] else None

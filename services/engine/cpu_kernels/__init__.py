@@ -1,0 +1,178 @@
+"""Native fp32 CPU kernels for decode steps: the routed experts and paged attention, each in one call.
+
+Why: on the single-threaded serving core, a decode step's two biggest blocks were bound by neither memory nor
+FLOPs. An expert's two oneDNN GEMMs on a few rows ran at 10-12 GB/s against a core's 25 GB/s stream, plus a
+dozen small torch ops per layer for the sort, gather, weighting and sum. Decode attention gathered every
+sequence's context into a fresh tensor before its GEMMs, so each cached key and value was read twice and written
+once. `kernels.c` reads each expert's weights and each cached key and value once, in place.
+
+The source is compiled at first use with the system C compiler (`$CC`, else `cc`), -O3 -march=native, into
+a per-user cache keyed by the source, flags and CPU; nothing to build at install time, no torch headers (about
+a second). Without a compiler, or with HINTSERVE_CPU_KERNELS=0, `library()` is None and callers keep torch's
+path. The kernels are single-threaded: callers use them only when torch runs one intra-op thread, as the
+serving core does on small boxes (engine_core.core_threads).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels.c")
+_FLAG_SETS = (["-O3", "-march=native"], ["-O3"])  # the second where the compiler knows no -march=native
+_ROWS = 8  # kernels.c's ROWS: tokens per expert GEMM pass
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+def cache_dir() -> Path:
+    """Where built kernels live: $HINTSERVE_KERNEL_CACHE, else $XDG_CACHE_HOME/hintserve/kernels."""
+    if os.environ.get("HINTSERVE_KERNEL_CACHE"):
+        return Path(os.environ["HINTSERVE_KERNEL_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "hintserve" / "kernels"
+
+
+def _cpu_identity() -> str:
+    """-march=native builds for this CPU: the cache must not hand its library to another one."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "".join(line for line in f if line.startswith(("model name", "flags", "Features")))[:8192]
+    except OSError:
+        return os.uname().machine
+
+
+def _build(compiler: str, flags: list[str]) -> Path:
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(flags).encode(),
+                                     _cpu_identity().encode()])).hexdigest()[:16]
+    target = cache_dir() / f"hintserve_kernels_{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *flags, "-fPIC", "-shared", "-o", tmp, str(SOURCE)], check=True,
+                       capture_output=True, text=True, timeout=120)
+        os.replace(tmp, target)  # atomic: a concurrent builder's copy is as good as ours
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built kernels, or None (disabled, no compiler, or the build failed: said once, in a warning)."""
+    if os.environ.get("HINTSERVE_CPU_KERNELS", "1") == "0":
+        return None
+    compiler = shutil.which(os.environ.get("CC") or "cc")
+    if compiler is None:
+        log.warning("no C compiler found ($CC or cc): native CPU kernels off, torch's path runs instead")
+        return None
+    error = ""
+    for flags in _FLAG_SETS:
+        try:
+            lib = ctypes.CDLL(str(_build(compiler, flags)))
+            break
+        except subprocess.CalledProcessError as exc:
+            error = (exc.stderr or "").strip().splitlines()[-1:] or [str(exc)]
+            error = error[0]
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            error = str(exc)
+    else:
+        log.warning("building native CPU kernels failed (%s): torch's path runs instead", error)
+        return None
+    lib.moe_swiglu_f32.restype = ctypes.c_int
+    lib.moe_swiglu_f32.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr]
+    lib.paged_decode_attention_f32.restype = ctypes.c_int
+    lib.paged_decode_attention_f32.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64,
+                                               _i64, _i64, _i64, _f32, _ptr, _ptr]
+    return lib
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether the kernels run for activations `x`: fp32 on the CPU, one torch thread, the library built."""
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and torch.get_num_threads() == 1
+            and library() is not None)
+
+
+class _Scratch(threading.local):
+    """Grow-only work buffers, one set per thread: no allocation per call once the largest step has run."""
+
+    def __init__(self) -> None:
+        self.floats = torch.empty(0)
+        self.ints = torch.empty(0, dtype=torch.int64)
+
+    def get(self, floats: int, ints: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.floats.numel() < floats:
+            self.floats = torch.empty(floats)
+        if self.ints.numel() < ints:
+            self.ints = torch.empty(ints, dtype=torch.int64)
+        return self.floats, self.ints
+
+
+_scratch = _Scratch()
+
+
+def moe_shapes_supported(hidden: int, intermediate: int) -> bool:
+    """The expert kernel vectorises over hidden and intermediate in 16s."""
+    return hidden % 16 == 0 and intermediate % 16 == 0
+
+
+def moe_swiglu(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+               w2: torch.Tensor) -> torch.Tensor:
+    """x [T, H] through each token's top-k experts (ids and weights [T, k]), summed: fused_moe's result.
+
+    w13: [E, H, 2I], w2: [E, I, H], fp32 and contiguous (StackedExperts' layout)."""
+    tokens, top_k = experts.shape
+    num_experts, hidden, intermediate = w2.shape[0], w2.shape[2], w2.shape[1]
+    x = x.contiguous()
+    experts = experts.contiguous() if experts.dtype == torch.int64 else experts.to(torch.int64).contiguous()
+    weights = weights.to(torch.float32).contiguous()
+    out = torch.empty(tokens, hidden)
+    floats, ints = _scratch.get(_ROWS * (2 * hidden + 3 * intermediate), tokens * top_k)
+    status = library().moe_swiglu_f32(  # type: ignore[union-attr]
+        x.data_ptr(), experts.data_ptr(), weights.data_ptr(), tokens, top_k, w13.data_ptr(), w2.data_ptr(),
+        num_experts, hidden, intermediate, out.data_ptr(), floats.data_ptr(), ints.data_ptr())
+    if status != 0:
+        raise ValueError(f"expert id out of range 0..{num_experts - 1}")
+    return out
+
+
+def attention_shapes_supported(head_dim: int) -> bool:
+    return head_dim % 16 == 0
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                           scale: float) -> torch.Tensor:
+    """q [B, Hq, D] (any row and head strides) against caches [Hkv, slots, D] -> [B, Hq, D]."""
+    batch, q_heads, head_dim = q.shape
+    kv_heads, slots, _ = k_cache.shape
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    block_tables = block_tables.to(torch.int64).contiguous()  # no copies when already so (the runner's)
+    context_lens = context_lens.to(torch.int64).contiguous()
+    group = q_heads // kv_heads
+    out = torch.empty(batch, q_heads, head_dim)
+    floats, _ = _scratch.get(group * (block_tables.shape[1] * block_size + head_dim))
+    status = library().paged_decode_attention_f32(  # type: ignore[union-attr]
+        q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), slots,
+        block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), block_size, batch, q_heads,
+        kv_heads, head_dim, scale, out.data_ptr(), floats.data_ptr())
+    if status != 0:
+        raise ValueError("a context length or block id is outside the KV cache")
+    return out

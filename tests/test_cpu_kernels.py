@@ -1,0 +1,162 @@
+"""The native CPU kernels against torch: paged decode attention, the routed experts, the build's fallbacks, and
+the engine taking them on one thread with the same greedy text."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.engine import cpu_kernels
+from services.engine.config import EngineConfig
+from services.engine.engine_core import intra_op_threads
+from services.engine.llm_engine import LLMEngine
+from services.engine.models import attention, fused_moe
+from services.engine.models.attention import AttentionMetadata, decode_attention, write_kv
+from services.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler: the kernels are off here")
+
+
+def _paged_context(lengths: list[int], kv_heads: int, head_dim: int, block_size: int, seed: int):
+    """Caches with each sequence's context in scattered blocks, and the contexts themselves."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = sum(-(-n // block_size) for n in lengths) + 3
+    k_cache, v_cache = torch.zeros(kv_heads, blocks * block_size, head_dim), torch.zeros(kv_heads, blocks * block_size,
+                                                                                          head_dim)
+    order = torch.randperm(blocks, generator=g).tolist()
+    tables, contexts = [], []
+    for n in lengths:
+        table = [order.pop() for _ in range(-(-n // block_size))]
+        k, v = torch.randn(n, kv_heads, head_dim, generator=g), torch.randn(n, kv_heads, head_dim, generator=g)
+        write_kv(k_cache, v_cache, k, v, torch.tensor([table[p // block_size] * block_size + p % block_size
+                                                       for p in range(n)]))
+        tables.append(table)
+        contexts.append((k, v))
+    width = max(len(t) for t in tables)
+    return k_cache, v_cache, torch.tensor([t + [0] * (width - len(t)) for t in tables]), contexts
+
+
+@pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim"), [(8, 4, 32), (4, 4, 64), (16, 2, 128), (6, 3, 48)])
+def test_paged_decode_attention_matches_sdpa(q_heads: int, kv_heads: int, head_dim: int) -> None:
+    lengths = [1, 15, 16, 17, 47, 100]  # a partial group of 16 keys, exact groups, blocks crossed mid-group
+    k_cache, v_cache, tables, contexts = _paged_context(lengths, kv_heads, head_dim, block_size=8, seed=head_dim)
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(len(lengths), q_heads + 2 * kv_heads, head_dim, generator=g)
+    q = qkv[:, :q_heads]  # a view with the projection's row stride, as the model passes it
+    got = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lengths), 8, 0.2)
+    for i, (k, v) in enumerate(contexts):
+        want = F.scaled_dot_product_attention(q[i : i + 1].transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                              v.transpose(0, 1)[None], scale=0.2, enable_gqa=True)[0].transpose(0, 1)
+        torch.testing.assert_close(got[i : i + 1], want, atol=2e-6, rtol=1e-5)
+
+
+def test_paged_decode_attention_refuses_a_context_outside_the_cache() -> None:
+    k_cache, v_cache, tables, _ = _paged_context([20], 2, 16, block_size=8, seed=0)
+    q = torch.randn(1, 2, 16)
+    with pytest.raises(ValueError, match="outside the KV cache"):
+        cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor([25]), 8, 1.0)
+    with pytest.raises(ValueError, match="outside the KV cache"):
+        cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables + 100, torch.tensor([20]), 8, 1.0)
+
+
+def test_decode_attention_takes_the_kernel_on_one_thread_with_the_gathered_result(monkeypatch) -> None:
+    lengths = [5, 40]
+    k_cache, v_cache, tables, _ = _paged_context(lengths, 4, 32, block_size=8, seed=3)
+    mask = (torch.arange(tables.shape[1] * 8)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
+    q = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
+
+    def meta() -> AttentionMetadata:
+        return AttentionMetadata(False, torch.zeros(2, dtype=torch.long), [1, 1], tables, 8, context_mask=mask,
+                                 context_lens=torch.tensor(lengths))
+
+    calls = []
+    kernel = cpu_kernels.paged_decode_attention
+    monkeypatch.setattr(cpu_kernels, "paged_decode_attention", lambda *a: calls.append(1) or kernel(*a))
+    with intra_op_threads(2):
+        gathered = decode_attention(q, k_cache, v_cache, meta(), 0.3)
+    assert not calls  # more than one torch thread: torch's path
+    with intra_op_threads(1):
+        native = decode_attention(q, k_cache, v_cache, meta(), 0.3)
+    assert calls == [1]
+    torch.testing.assert_close(native, gathered, atol=2e-6, rtol=1e-5)
+
+
+def _moe_reference(x, experts, weights, w13, w2):
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for e, w in zip(experts[t].tolist(), weights[t].tolist()):
+            gate, up = (x[t] @ w13[e]).chunk(2)
+            out[t] += w * ((F.silu(gate) * up) @ w2[e])
+    return out
+
+
+@pytest.mark.parametrize(("tokens", "top_k", "hidden", "intermediate"),
+                         [(1, 2, 64, 32), (3, 1, 32, 48), (9, 2, 64, 64), (40, 4, 48, 80)])
+def test_moe_swiglu_matches_the_per_token_sum(tokens: int, top_k: int, hidden: int, intermediate: int) -> None:
+    g = torch.Generator().manual_seed(tokens)
+    num_experts = 6
+    w13 = torch.randn(num_experts, hidden, 2 * intermediate, generator=g) * 0.1
+    w2 = torch.randn(num_experts, intermediate, hidden, generator=g) * 0.1
+    x = torch.randn(tokens, hidden, generator=g)
+    # 9 tokens on one expert crosses the kernel's 8-row passes; 40 x 4 spreads over all six
+    experts = torch.zeros(tokens, top_k, dtype=torch.long) if tokens == 9 else \
+        torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(tokens)])
+    if tokens == 9:
+        experts[:, 1] = 5
+    weights = torch.rand(tokens, top_k, generator=g)
+    got = cpu_kernels.moe_swiglu(x, experts, weights, w13, w2)
+    torch.testing.assert_close(got, _moe_reference(x, experts, weights, w13, w2), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="expert id out of range"):
+        cpu_kernels.moe_swiglu(x, experts + num_experts, weights, w13, w2)
+
+
+def test_build_falls_back_to_torch_without_a_compiler_or_when_disabled(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("HINTSERVE_KERNEL_CACHE", str(tmp_path))
+    try:
+        cpu_kernels.library.cache_clear()
+        monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+        assert cpu_kernels.library() is None
+        cpu_kernels.library.cache_clear()
+        monkeypatch.setenv("CC", "false")  # a compiler that fails: warned, then torch's path
+        assert cpu_kernels.library() is None
+        monkeypatch.delenv("CC")
+        cpu_kernels.library.cache_clear()
+        monkeypatch.setenv("HINTSERVE_CPU_KERNELS", "0")
+        assert cpu_kernels.library() is None and not cpu_kernels.usable(torch.zeros(1))
+        monkeypatch.delenv("HINTSERVE_CPU_KERNELS")
+        cpu_kernels.library.cache_clear()
+        assert cpu_kernels.library() is not None
+        assert len(list(tmp_path.glob("hintserve_kernels_*.so"))) == 1  # built once into the cache, no temp left
+        cpu_kernels.library.cache_clear()
+        assert cpu_kernels.library() is not None and len(list(tmp_path.iterdir())) == 1  # reused
+    finally:
+        cpu_kernels.library.cache_clear()
+
+
+def test_one_thread_engine_takes_both_kernels_with_the_same_greedy_text(monkeypatch) -> None:
+    prompts = [[5, 17, 300, 42, 7, 99, 1200, 3], [900, 12, 64], list(range(100, 150))]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    calls = {"attention": 0, "moe": 0}
+    attention_kernel, moe_kernel = cpu_kernels.paged_decode_attention, cpu_kernels.moe_swiglu
+
+    def count(name, kernel):
+        def counted(*args):
+            calls[name] += 1
+            return kernel(*args)
+        return counted
+
+    monkeypatch.setattr(attention.cpu_kernels, "paged_decode_attention", count("attention", attention_kernel))
+    monkeypatch.setattr(fused_moe.cpu_kernels, "moe_swiglu", count("moe", moe_kernel))
+    with intra_op_threads(1):
+        engine = LLMEngine(EngineConfig(), detokenize=False)
+        try:
+            native = engine.generate(prompts, params)
+            assert calls["attention"] > 0 and calls["moe"] > 0
+            monkeypatch.setattr(cpu_kernels, "usable", lambda x: False)
+            calls.update(attention=0, moe=0)
+            plain = engine.generate(prompts, params)
+            assert calls == {"attention": 0, "moe": 0}
+        finally:
+            engine.close()
+    assert native == plain
