@@ -160,3 +160,44 @@ def test_one_thread_engine_takes_both_kernels_with_the_same_greedy_text(monkeypa
         finally:
             engine.close()
     assert native == plain
+
+
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 16])
+def test_linear_matches_torch_with_and_without_bias(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x, weight, bias = torch.randn(rows, 48, generator=g), torch.randn(80, 48, generator=g), torch.randn(80, generator=g)
+    in_out = weight.t().contiguous()
+    torch.testing.assert_close(cpu_kernels.linear(x, in_out, None), F.linear(x, weight), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cpu_kernels.linear(x, in_out, bias), F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+
+
+def test_rms_norm_with_the_residual_add_fused() -> None:
+    g = torch.Generator().manual_seed(0)
+    x, delta, weight = torch.randn(5, 64, generator=g), torch.randn(5, 64, generator=g), torch.randn(64, generator=g)
+    same, normed = cpu_kernels.rms_norm(x, weight, 1e-5)
+    assert same is x
+    torch.testing.assert_close(normed, attention.rms_norm(x, weight, 1e-5))
+    total, normed = cpu_kernels.rms_norm(x, weight, 1e-5, delta)
+    torch.testing.assert_close(total, x + delta)
+    torch.testing.assert_close(normed, attention.rms_norm(x + delta, weight, 1e-5))
+
+
+def test_rope_write_kv_matches_apply_rope_and_write_kv() -> None:
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, tokens, slots = 4, 2, 16, 6, 40
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g)
+    angles = torch.rand(50, dim // 2, generator=g).repeat(1, 2) * 6
+    cos, sin = angles.cos(), angles.sin()
+    positions, slot_ids = torch.tensor([0, 3, 9, 10, 48, 49]), torch.tensor([5, 0, 39, 17, 18, 2])
+    heads_view = qkv.view(tokens, -1, dim)
+    want_qk = attention.apply_rope(heads_view[:, : heads + kv_heads], cos[positions], sin[positions])
+    want_k_cache, want_v_cache = torch.zeros(kv_heads, slots, dim), torch.zeros(kv_heads, slots, dim)
+    write_kv(want_k_cache, want_v_cache, want_qk[:, heads:], heads_view[:, heads + kv_heads :], slot_ids)
+    k_cache, v_cache = torch.zeros(kv_heads, slots, dim), torch.zeros(kv_heads, slots, dim)
+    cpu_kernels.rope_write_kv(qkv, heads, kv_heads, dim, cos, sin, positions, slot_ids, k_cache, v_cache)
+    torch.testing.assert_close(qkv.view(tokens, -1, dim)[:, : heads + kv_heads], want_qk)
+    torch.testing.assert_close(k_cache, want_k_cache)
+    torch.testing.assert_close(v_cache, want_v_cache)
+    for bad_positions, bad_slots in ((positions + 1, slot_ids), (positions, slot_ids + 1)):
+        with pytest.raises(ValueError, match="outside"):
+            cpu_kernels.rope_write_kv(qkv, heads, kv_heads, dim, cos, sin, bad_positions, bad_slots, k_cache, v_cache)

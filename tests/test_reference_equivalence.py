@@ -9,6 +9,7 @@ from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkR
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
 from services.engine.config import EngineConfig
+from services.engine.engine_core import intra_op_threads
 from services.engine.llm_engine import LLMEngine
 from services.engine.models.attention import AttentionMetadata
 from services.engine.models.loader import load_model
@@ -24,31 +25,41 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(3, VOCAB, (n,), generator=g).tolist()
 
 
+# One torch thread is the serving core's setting on a small box: there the native CPU kernels run the layers
+# (cpu_kernels); with more threads, torch's path does.
+THREADS = pytest.mark.parametrize("threads", [None, 1], ids=["torch-threads", "one-thread"])
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("fused", [False, True], ids=["per-expert", "fused"])
-def test_logits_match_transformers(family: str, fused: bool, tmp_path) -> None:
+@THREADS
+def test_logits_match_transformers(family: str, fused: bool, threads: int | None, tmp_path) -> None:
     model_dir = build_tiny_model(family, str(tmp_path / family), fused=fused)
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = torch.tensor(_prompt(24, seed=3))
     with torch.no_grad():
         expected = reference(ids[None]).logits[0]
 
-    model = load_model(model_dir, dtype=torch.float32).model
-    model.allocate_kv_cache(64)
-    meta = AttentionMetadata(is_prefill=True, slot_mapping=torch.arange(24), seq_lens=[24])
-    hidden = model.forward(ids, torch.arange(24), meta, StepContext(Phase.PREFILL, ["r"], 24))
-    ours = model.compute_logits(hidden)
+    with intra_op_threads(threads):
+        model = load_model(model_dir, dtype=torch.float32).model
+        model.allocate_kv_cache(64)
+        meta = AttentionMetadata(is_prefill=True, slot_mapping=torch.arange(24), seq_lens=[24])
+        hidden = model.forward(ids, torch.arange(24), meta, StepContext(Phase.PREFILL, ["r"], 24))
+        ours = model.compute_logits(hidden)
     assert (ours - expected).abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_tokens_match_transformers_generate(family: str, tiny_model_dirs: dict[str, str]) -> None:
+@THREADS
+def test_greedy_tokens_match_transformers_generate(family: str, threads: int | None,
+                                                   tiny_model_dirs: dict[str, str]) -> None:
     model_dir = tiny_model_dirs[family]
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    engine = LLMEngine(EngineConfig(model=model_dir, dtype="float32", block_size=4))
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     prompts = [_prompt(n, seed=n) for n in (7, 19)]
-    ours = engine.generate(prompts, params)
+    with intra_op_threads(threads):
+        engine = LLMEngine(EngineConfig(model=model_dir, dtype="float32", block_size=4))
+        ours = engine.generate(prompts, params)
     for prompt, tokens in zip(prompts, ours):
         # ignore_eos: the reference must neither stop at EOS nor suppress it (as min_new_tokens would).
         expected = reference.generate(

@@ -100,6 +100,12 @@ def library() -> ctypes.CDLL | None:
     lib.paged_decode_attention_f32.restype = ctypes.c_int
     lib.paged_decode_attention_f32.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64,
                                                _i64, _i64, _i64, _f32, _ptr, _ptr]
+    lib.linear_rows_f32.restype = None
+    lib.linear_rows_f32.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
+    lib.rms_norm_f32.restype = None
+    lib.rms_norm_f32.argtypes = [_ptr, _ptr, _ptr, _f32, _ptr, _ptr, _i64, _i64]
+    lib.rope_write_kv_f32.restype = ctypes.c_int
+    lib.rope_write_kv_f32.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64]
     return lib
 
 
@@ -176,3 +182,45 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if status != 0:
         raise ValueError("a context length or block id is outside the KV cache")
     return out
+
+
+def linear_shapes_supported(in_features: int, out_features: int) -> bool:
+    return in_features % 16 == 0 and out_features % 16 == 0
+
+
+def linear(x: torch.Tensor, weight_in_out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ weight_in_out [K, N] (+ bias): a few rows, each pass of the weight serving 8 of them."""
+    rows, (in_features, out_features) = x.shape[0], weight_in_out.shape
+    x = x.contiguous()
+    out = torch.empty(rows, out_features)
+    library().linear_rows_f32(x.data_ptr(), weight_in_out.data_ptr(),  # type: ignore[union-attr]
+                              None if bias is None else bias.data_ptr(), out.data_ptr(), rows, in_features,
+                              out_features)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, its RMS norm) in one pass; without residual, (x, norm of x)."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    total = x if residual is None else torch.empty_like(x)
+    add = None if residual is None else residual.contiguous().data_ptr()
+    library().rms_norm_f32(x.data_ptr(), add, weight.data_ptr(), eps,  # type: ignore[union-attr]
+                           total.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1])
+    return total, out
+
+
+def rope_write_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor,
+                  sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor) -> None:
+    """Rotates qkv's q and k heads in place ([T, (Hq + 2 Hkv) * D], contiguous) and writes k and v to the
+    caches at `slots`: apply_rope and write_kv in one pass."""
+    positions = positions.to(torch.int64).contiguous()
+    slots = slots.to(torch.int64).contiguous()
+    status = library().rope_write_kv_f32(  # type: ignore[union-attr]
+        qkv.data_ptr(), qkv.shape[0], num_heads, num_kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+        cos.shape[0], positions.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        k_cache.shape[1])
+    if status != 0:
+        raise ValueError("a position or KV slot is outside the model's tables or the cache")

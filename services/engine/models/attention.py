@@ -38,6 +38,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, native: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream after adding a sublayer's output (delta; None: none yet) and its norm for the next
+    sublayer; native: one fused pass through the CPU kernel."""
+    if native:
+        return cpu_kernels.rms_norm(h, weight, eps, delta)
+    if delta is not None:
+        h = h + delta
+    return h, rms_norm(h, weight, eps)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim] (rotate-half convention)."""
     half = x.shape[-1] // 2

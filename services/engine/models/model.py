@@ -9,6 +9,7 @@ from services.engine import cpu_kernels
 from services.engine.expert_provider import ExpertProvider
 from services.engine.models.attention import (
     AttentionMetadata,
+    add_rms_norm,
     apply_rope,
     decode_attention,
     prefill_attention,
@@ -66,6 +67,9 @@ class MoECausalLM:
             weights.lm_head = self.lm_head.weight
         self.qkv_sizes = (spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim,
                           spec.num_kv_heads * spec.head_dim)
+        # The native CPU kernels' layer path: fp32 on the CPU (each step also asks for one torch thread).
+        self.native_ready = device.type == "cpu" and dtype == torch.float32 and all(
+            n.dtype == torch.float32 for layer in weights.layers for n in (layer.input_norm, layer.post_attention_norm))
 
     def allocate_kv_cache(self, num_slots: int) -> None:
         e, layers = self.w.embed, range(self.spec.num_layers)
@@ -103,23 +107,25 @@ class MoECausalLM:
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, ctx: StepContext
     ) -> torch.Tensor:
         """Hidden states after the final norm, one row per input token."""
-        spec = self.spec
+        spec, layers = self.spec, self.w.layers
         h = F.embedding(input_ids, self.w.embed)
         ctx.embeddings = h
-        cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)
-        for i, layer in enumerate(self.w.layers):
-            residual = h
-            x = rms_norm(h, layer.input_norm, spec.rms_norm_eps)
+        # One torch thread, fp32 on the CPU: norms, RoPE and the KV write through the native kernels.
+        native = self.native_ready and cpu_kernels.usable(h)
+        rope = None if native and self.spec.mla is None else (self.cos.index_select(0, positions),
+                                                               self.sin.index_select(0, positions))
+        h, x = add_rms_norm(h, None, layers[0].input_norm, spec.rms_norm_eps, native)
+        for i, layer in enumerate(layers):
             if isinstance(layer.attention, MlaWeights):
-                attn = mla_attention(x, layer.attention, self.latent_caches[i], cos, sin, meta, spec)
+                attn = mla_attention(x, layer.attention, self.latent_caches[i], *rope, meta, spec)  # type: ignore[misc]
             else:
-                attn = self._attention(i, layer.attention, x, cos, sin, meta)
-            h = residual + attn
+                attn = self._attention(i, layer.attention, x, positions, rope, meta)
+            h, x = add_rms_norm(h, attn, layer.post_attention_norm, spec.rms_norm_eps, native)
             ctx.layer_inputs[i] = h  # the residual stream entering the MoE block (speculative prefetch)
-            x = rms_norm(h, layer.post_attention_norm, spec.rms_norm_eps)
-            h = h + self._mlp(i, layer, x, ctx)
+            next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else self.w.final_norm
+            h, x = add_rms_norm(h, self._mlp(i, layer, x, ctx), next_norm, spec.rms_norm_eps, native)
         self.experts.end_step(ctx)
-        return rms_norm(h, self.w.final_norm, spec.rms_norm_eps)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -129,19 +135,30 @@ class MoECausalLM:
         i: int,
         a: AttentionWeights,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        """rope: this step's (cos, sin) rows; None when the native kernels rotate from the full tables."""
         spec = self.spec
         tokens = x.shape[0]
         qkv = self.qkv[i](x)  # type: ignore[misc]
-        if spec.qk_norm is None and spec.clip_qkv is None:  # q and k rotated in one pass over their heads
-            q_width, kv_width, _ = self.qkv_sizes
+        q_width, kv_width, _ = self.qkv_sizes
+        if spec.qk_norm == "none" and spec.clip_qkv is None:  # q and k rotated in one pass over their heads
+            if rope is None:
+                cpu_kernels.rope_write_kv(qkv, spec.num_heads, spec.num_kv_heads, spec.head_dim, self.cos, self.sin,
+                                          positions, meta.slot_mapping, self.k_caches[i], self.v_caches[i])
+                q = qkv[:, :q_width].view(tokens, spec.num_heads, spec.head_dim)
+                k = qkv[:, q_width : q_width + kv_width].view(tokens, spec.num_kv_heads, spec.head_dim)
+                v = qkv[:, q_width + kv_width :].view(tokens, spec.num_kv_heads, spec.head_dim)
+                return self._attend(i, q, k, v, meta, written=True)
+            cos, sin = rope
             qk = apply_rope(qkv[:, : q_width + kv_width].view(tokens, -1, spec.head_dim), cos, sin)
             q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
             v = qkv[:, q_width + kv_width :].view(tokens, spec.num_kv_heads, spec.head_dim)
             return self._attend(i, q, k, v, meta)
+        cos, sin = rope if rope is not None else (self.cos.index_select(0, positions),
+                                                  self.sin.index_select(0, positions))
         q, k, v = qkv.split(self.qkv_sizes, dim=-1)
         if spec.qk_norm == "full":  # OLMoE normalises the whole projection before splitting heads
             q = rms_norm(q, a.q_norm, spec.rms_norm_eps)
@@ -157,11 +174,14 @@ class MoECausalLM:
         return self._attend(i, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, meta)
 
     def _attend(
-        self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+        self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+        written: bool = False,
     ) -> torch.Tensor:
-        """Rotated q [T, Hq, D], k and v [T, Hkv, D] -> the layer's attention output [T, hidden]."""
+        """Rotated q [T, Hq, D], k and v [T, Hkv, D] -> the layer's attention output [T, hidden]; written: k and
+        v are in the cache already."""
         tokens = q.shape[0]
-        write_kv(self.k_caches[i], self.v_caches[i], k, v, meta.slot_mapping)
+        if not written:
+            write_kv(self.k_caches[i], self.v_caches[i], k, v, meta.slot_mapping)
         if meta.is_prefill:
             out = prefill_attention(q, k, v, meta.seq_lens, self.scale)
         else:
