@@ -68,3 +68,26 @@ def test_engine_generates_the_same_tokens_fused_or_per_expert(tiny_mixtral_dir: 
     fused = engine.generate(prompts, params)
     provider._stacked = [None] * len(provider._stacked)  # the per-expert path, on the same weights
     assert engine.generate(prompts, params) == fused
+
+
+def test_packed_groups_padding_would_grow_much_run_as_a_bucket_and_the_rest(monkeypatch) -> None:
+    from services.engine.models import fused_moe
+    from services.engine.models.packed_linear import bucket_floor, padded_rows
+
+    if not packing_supported("cpu", torch.float32):
+        pytest.skip("no oneDNN packing here")
+    assert all(padded_rows(bucket_floor(r)) == bucket_floor(r) <= r < padded_rows(bucket_floor(r) + 1)
+               or bucket_floor(r) == r for r in range(1, 4097))
+    stacked = StackedExperts.stack(_experts(torch.float32), pack=True)
+    rows = torch.randn(260 + 5 + 300, HIDDEN, generator=torch.Generator().manual_seed(0))
+    ends = torch.tensor([260, 265, 265, 565, 565, 565, 565, 565])  # 260 pads to 288, 300 to 320: both split
+    calls = []
+    swiglu = fused_moe._packed_swiglu
+    monkeypatch.setattr(fused_moe, "_packed_swiglu", lambda e, x: calls.append(x.shape[0]) or swiglu(e, x))
+    got = fused_moe._packed_experts(rows, ends, stacked.packed)
+    assert calls == [256, 4, 5, 288, 12]
+    for expert, (start, end) in zip((0, 1, 3), ((0, 260), (260, 265), (265, 565))):
+        w = stacked.expert(expert)
+        gate, up = (rows[start:end] @ w.gate_up.t()).chunk(2, dim=-1)
+        torch.testing.assert_close(got[start:end], (torch.nn.functional.silu(gate) * up) @ w.down.t(),
+                                   atol=1e-5, rtol=1e-5)

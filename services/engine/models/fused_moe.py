@@ -22,11 +22,12 @@ import torch.nn.functional as F
 from services.engine import cpu_kernels
 from services.engine.expert_provider import ExpertWeights
 from services.engine.models.moe import record_routing
-from services.engine.models.packed_linear import PackedLinear
+from services.engine.models.packed_linear import PackedLinear, bucket_floor, padded_rows
 from services.engine.models.router import Routing
 from services.engine.step_context import StepContext
 
 NATIVE_MAX_TOKENS = 128
+SPLIT_PADDING = 16
 
 
 @dataclass
@@ -117,13 +118,18 @@ def fused_moe_forward(
 
 
 def _packed_experts(rows: torch.Tensor, ends: torch.Tensor, packed: list[tuple[PackedLinear, PackedLinear]]):
-    """rows grouped by expert (group e ends at ends[e]) -> each group through its expert's SwiGLU."""
+    """rows grouped by expert (group e ends at ends[e]) -> each group through its expert's SwiGLU.
+
+    A group that padding would grow by SPLIT_PADDING rows or more runs as a bucket-sized part and the rest:
+    a prefill's ~500-row groups padded ~6% on average, all of it GEMM work."""
     y = torch.empty_like(rows)
     start = 0
     for expert, end in zip(packed, ends.tolist()):
-        if end > start:
-            y[start:end] = _packed_swiglu(expert, rows[start:end])
-            start = end
+        while end > start:
+            count = end - start
+            part = count if padded_rows(count) - count < SPLIT_PADDING else bucket_floor(count)
+            y[start : start + part] = _packed_swiglu(expert, rows[start : start + part])
+            start += part
     return y
 
 

@@ -38,6 +38,14 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
+def bucket_floor(rows: int) -> int:
+    """The largest padded row count (a bucket, padded to itself) not above `rows`."""
+    if rows <= 8:
+        return rows
+    step = 1 << ((rows - 1).bit_length() - 4)
+    return rows // step * step
+
+
 def bucket_sizes(max_rows: int) -> list[int]:
     """Every padded row count up to max_rows' bucket: the shapes `warm_up` builds."""
     return sorted({padded_rows(r) for r in range(1, max_rows + 1)})
