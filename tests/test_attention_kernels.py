@@ -44,3 +44,14 @@ def test_decode_reads_the_head_major_paged_cache() -> None:
     got = decode_attention(q, k_cache, v_cache, meta, 0.3)
     want = torch.cat([_sdpa(q[i : i + 1], k, v, False) for i, (k, v) in enumerate(contexts)])
     torch.testing.assert_close(got, want)
+
+
+def test_equal_length_prefill_keeps_the_value_head_size() -> None:
+    """MLA's values are narrower than its queries and keys: the batched call returns v's head size."""
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(10, 4, 24, generator=g), torch.randn(10, 4, 24, generator=g)
+    v = torch.randn(10, 4, 12, generator=g)
+    out = prefill_attention(q, k, v, [5, 5], 0.3)
+    want = torch.cat([prefill_attention(q[s : s + 5], k[s : s + 5], v[s : s + 5], [5], 0.3) for s in (0, 5)])
+    assert out.shape == (10, 4, 12)
+    torch.testing.assert_close(out, want)

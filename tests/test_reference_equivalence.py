@@ -97,3 +97,41 @@ def test_deepseek_router_rules_match_transformers(family: str, overrides: dict) 
     torch.testing.assert_close(ours.weights.gather(1, our_order), ref_weights.gather(1, order))
     scores = logits.sigmoid() if family == "deepseek_v3" else logits.softmax(dim=-1)
     torch.testing.assert_close(ours.probs, scores)  # what StepContext.router_probs records
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("lengths", [[9, 9], [5, 13, 2]], ids=["equal", "ragged"])
+@THREADS
+def test_pruned_last_layer_gives_the_last_rows_of_the_full_forward(
+    family: str, lengths: list[int], threads: int | None, tiny_model_dirs: dict[str, str]
+) -> None:
+    """A prefill's last layer computing only each sequence's last row (when nothing watches the routing):
+    the same hidden rows as the whole forward pass, and the same KV cache."""
+    ids = torch.tensor([t for n in lengths for t in _prompt(n, seed=n)])
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    last = torch.tensor(lengths).cumsum(0) - 1
+    results = []
+    with intra_op_threads(threads):
+        model = load_model(tiny_model_dirs[family], dtype=torch.float32).model
+        model.allocate_kv_cache(64)
+        for prune in (False, True):
+            meta = AttentionMetadata(is_prefill=True, slot_mapping=torch.arange(len(ids)), seq_lens=lengths)
+            ctx = StepContext(Phase.PREFILL, [str(n) for n in lengths], len(ids))
+            hidden = model.forward(ids, positions, meta, ctx, output_rows=last, prune=prune)
+            routed = ctx.selected_experts[len(model.w.layers) - 1]
+            results.append((hidden, [c.clone() for c in model.kv_cache_tensors], routed.shape[0]))
+    (full, full_cache, full_routed), (pruned, pruned_cache, pruned_routed) = results
+    torch.testing.assert_close(pruned, full, atol=1e-5, rtol=1e-5)
+    for a, b in zip(full_cache, pruned_cache):
+        torch.testing.assert_close(a, b)
+    assert full_routed == len(ids)
+    assert pruned_routed == (len(lengths) if model._prunable(len(model.w.layers) - 1) else len(ids))
+
+
+def test_engine_keeps_every_row_while_a_step_observer_records(tiny_mixtral_dir: str) -> None:
+    engine = LLMEngine(EngineConfig(model=tiny_mixtral_dir, dtype="float32", block_size=4))
+    seen: list[int] = []
+    last_layer = engine.model.spec.num_layers - 1
+    engine.runner.step_observers.append(lambda ctx: seen.append(ctx.selected_experts[last_layer].shape[0]))
+    engine.generate([_prompt(7, seed=1)], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    assert seen == [7, 1]  # the prefill's 7 rows routed in the last layer, then one decode row

@@ -51,10 +51,11 @@ class ModelRunner:
             layer_observers=self.layer_observers,
         )
         self.num_steps += 1
-        hidden = self.model.forward(input_ids, positions, meta, ctx)
+        # A prefill's last layer may skip the rows nobody reads when nothing records the step's full routing.
+        hidden = self.model.forward(input_ids, positions, meta, ctx, output_rows=last, prune=not self.step_observers)
         for observe in self.step_observers:
             observe(ctx)
-        logits = self.model.compute_logits(hidden if last is None else hidden[last])
+        logits = self.model.compute_logits(hidden)
         for seq in seqs:
             seq.num_cached_tokens = len(seq)
         return sample(logits.cpu(), seqs, self.eos_ids, self.generator)

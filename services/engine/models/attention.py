@@ -75,7 +75,7 @@ def prefill_attention(
         b = len(seq_lens)
         qs, ks, vs = (t.view(b, n, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
-        return out.transpose(1, 2).reshape(q.shape)
+        return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], v.shape[2])  # MLA: v's head size is not q's
     outputs = []
     start = 0
     for n in seq_lens:
@@ -86,6 +86,27 @@ def prefill_attention(
         outputs.append(out[0].transpose(0, 1))
         start += n
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+
+
+def last_token_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int], scale: float
+) -> torch.Tensor:
+    """q: [B, Hq, D], each sequence's last token; k/v: [T, Hkv, D] for the B sequences laid end to end. The last
+    token sees its whole sequence, so no mask: prefill_attention's rows for those tokens."""
+    n = seq_lens[0]
+    if all(length == n for length in seq_lens):
+        b = len(seq_lens)
+        ks, vs = (t.view(b, n, t.shape[1], t.shape[2]).transpose(1, 2) for t in (k, v))
+        out = F.scaled_dot_product_attention(q[:, :, None], ks, vs, scale=scale, enable_gqa=True)
+        return out[:, :, 0]
+    outputs = []
+    start = 0
+    for row, n in enumerate(seq_lens):
+        ks, vs = (t[start : start + n].transpose(0, 1)[None] for t in (k, v))
+        out = F.scaled_dot_product_attention(q[row, :, None][None], ks, vs, scale=scale, enable_gqa=True)
+        outputs.append(out[0, :, 0])
+        start += n
+    return torch.stack(outputs)
 
 
 def decode_attention(

@@ -12,6 +12,7 @@ from services.engine.models.attention import (
     add_rms_norm,
     apply_rope,
     decode_attention,
+    last_token_attention,
     prefill_attention,
     rms_norm,
     write_kv,
@@ -104,10 +105,15 @@ class MoECausalLM:
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, ctx: StepContext
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, ctx: StepContext,
+        output_rows: torch.Tensor | None = None, prune: bool = False,
     ) -> torch.Tensor:
-        """Hidden states after the final norm, one row per input token."""
+        """Hidden states after the final norm: one row per input token, or only output_rows' (a prefill needs
+        each sequence's last). prune: past its KV write, the last layer computes those rows only, as llama.cpp
+        does (a sixth of a demo-model prefill); the caller says whether anything watches the full routing."""
         spec, layers = self.spec, self.w.layers
+        last = len(layers) - 1
+        prune = prune and output_rows is not None and not ctx.layer_observers and self._prunable(last)
         h = F.embedding(input_ids, self.w.embed)
         ctx.embeddings = h
         # One torch thread, fp32 on the CPU: norms, RoPE and the KV write through the native kernels.
@@ -119,13 +125,23 @@ class MoECausalLM:
             if isinstance(layer.attention, MlaWeights):
                 attn = mla_attention(x, layer.attention, self.latent_caches[i], *rope, meta, spec)  # type: ignore[misc]
             else:
-                attn = self._attention(i, layer.attention, x, positions, rope, meta)
+                attn = self._attention(i, layer.attention, x, positions, rope, meta,
+                                       output_rows if prune and i == last else None)
+            if prune and i == last:
+                h = h.index_select(0, output_rows)  # type: ignore[arg-type]
             h, x = add_rms_norm(h, attn, layer.post_attention_norm, spec.rms_norm_eps, native)
             ctx.layer_inputs[i] = h  # the residual stream entering the MoE block (speculative prefetch)
             next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else self.w.final_norm
             h, x = add_rms_norm(h, self._mlp(i, layer, x, ctx), next_norm, spec.rms_norm_eps, native)
         self.experts.end_step(ctx)
-        return x
+        return x if output_rows is None or prune else x.index_select(0, output_rows)
+
+    def _prunable(self, i: int) -> bool:
+        """Layer i can compute a subset of its rows: standard attention, and a dense MLP or resident experts
+        (offload providers and MLA keep every row)."""
+        layer = self.w.layers[i]
+        return isinstance(layer.attention, AttentionWeights) and (
+            layer.dense_mlp is not None or self.experts.stacked_experts(i) is not None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -138,8 +154,10 @@ class MoECausalLM:
         positions: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None,
         meta: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """rope: this step's (cos, sin) rows; None when the native kernels rotate from the full tables."""
+        """rope: this step's (cos, sin) rows; None when the native kernels rotate from the full tables.
+        output_rows (a prefill's last tokens): every row's k and v are cached, only these rows attend."""
         spec = self.spec
         tokens = x.shape[0]
         qkv = self.qkv[i](x)  # type: ignore[misc]
@@ -151,12 +169,12 @@ class MoECausalLM:
                 q = qkv[:, :q_width].view(tokens, spec.num_heads, spec.head_dim)
                 k = qkv[:, q_width : q_width + kv_width].view(tokens, spec.num_kv_heads, spec.head_dim)
                 v = qkv[:, q_width + kv_width :].view(tokens, spec.num_kv_heads, spec.head_dim)
-                return self._attend(i, q, k, v, meta, written=True)
+                return self._attend(i, q, k, v, meta, written=True, output_rows=output_rows)
             cos, sin = rope
             qk = apply_rope(qkv[:, : q_width + kv_width].view(tokens, -1, spec.head_dim), cos, sin)
             q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
             v = qkv[:, q_width + kv_width :].view(tokens, spec.num_kv_heads, spec.head_dim)
-            return self._attend(i, q, k, v, meta)
+            return self._attend(i, q, k, v, meta, output_rows=output_rows)
         cos, sin = rope if rope is not None else (self.cos.index_select(0, positions),
                                                   self.sin.index_select(0, positions))
         q, k, v = qkv.split(self.qkv_sizes, dim=-1)
@@ -171,18 +189,21 @@ class MoECausalLM:
         if spec.qk_norm == "head":  # Qwen3 normalises each head
             q = rms_norm(q, a.q_norm, spec.rms_norm_eps)
             k = rms_norm(k, a.k_norm, spec.rms_norm_eps)
-        return self._attend(i, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, meta)
+        return self._attend(i, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, meta, output_rows=output_rows)
 
     def _attend(
         self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-        written: bool = False,
+        written: bool = False, output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Rotated q [T, Hq, D], k and v [T, Hkv, D] -> the layer's attention output [T, hidden]; written: k and
-        v are in the cache already."""
+        """Rotated q [T, Hq, D], k and v [T, Hkv, D] -> the layer's attention output [T, hidden] (output_rows:
+        those rows' only, each a prefilled sequence's last); written: k and v are in the cache already."""
         tokens = q.shape[0]
         if not written:
             write_kv(self.k_caches[i], self.v_caches[i], k, v, meta.slot_mapping)
-        if meta.is_prefill:
+        if output_rows is not None:
+            tokens = output_rows.shape[0]
+            out = last_token_attention(q.index_select(0, output_rows), k, v, meta.seq_lens, self.scale)
+        elif meta.is_prefill:
             out = prefill_attention(q, k, v, meta.seq_lens, self.scale)
         else:
             out = decode_attention(q, self.k_caches[i], self.v_caches[i], meta, self.scale)
