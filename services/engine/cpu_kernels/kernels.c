@@ -78,12 +78,11 @@ static inline v16 vexp(v16 x) {
  * (the hardware prefetchers alone left a core at ~11 GB/s); y's rows take DEPTH updates per load and store. */
 #define ROWS 8
 #define COLS 4096
-#ifndef DEPTH
 #define DEPTH 8
-#endif
-#ifndef PREFETCH
 #define PREFETCH 16
-#endif
+/* Software prefetches go to L2 (prefetcht1): into L1 they queued on its few miss buffers and capped a core
+ * at ~16 GB/s; into L2, 24 (1 row a token) to 30% (8 rows) faster per expert. */
+#define TO_L2 2
 static void gemm_rows(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int64_t M, int64_t K,
                       int64_t N) {
     for (int64_t n0 = 0; n0 < N; n0 += COLS) {
@@ -98,7 +97,7 @@ static void gemm_rows(const float *x, int64_t ldx, const float *w, float *y, int
                 for (int d = 0; d < DEPTH; d++) a[d] = vload(wk + d * N + n);
                 if (prefetch) {
 #pragma GCC unroll 8
-                    for (int d = 0; d < DEPTH; d++) __builtin_prefetch(wk + (PREFETCH + d) * N + n);
+                    for (int d = 0; d < DEPTH; d++) __builtin_prefetch(wk + (PREFETCH + d) * N + n, 0, TO_L2);
                 }
                 for (int64_t m = 0; m < M; m++) {
                     const float *xm = x + m * ldx + k;
@@ -212,8 +211,8 @@ int paged_decode_attention_f32(const float *q, int64_t q_sb, int64_t q_sh, const
                     int64_t next = t + VL + j < L ? t + VL + j : L - 1;
                     const float *k_next = keys + (table[next / block_size] * block_size + next % block_size) * D;
                     for (int64_t d = 0; d < D; d += VL) {
-                        __builtin_prefetch(k_next + d);
-                        __builtin_prefetch(values + slot * D + d);
+                        __builtin_prefetch(k_next + d, 0, TO_L2);
+                        __builtin_prefetch(values + slot * D + d, 0, TO_L2);
                     }
                 }
                 for (int64_t g = 0; g < G; g++) {

@@ -24,9 +24,9 @@ import torch.nn.functional as F
 
 from services.engine import cpu_kernels
 
-# Up to this many rows the native kernel beats oneDNN on the demo model's q/k/v, o and LM head (16 rows:
-# 44 vs 54 us, 21 vs 32, 754 vs 760; at 32 the LM head is oneDNN's); see cpu_kernels.
-NATIVE_MAX_ROWS = 16
+# Up to this many rows the native kernel beats oneDNN on the demo model's q/k/v, o and LM head (32 rows: 82
+# against 90 us, 40 against 51, 1368 against 1470; even at 48); see cpu_kernels.
+NATIVE_MAX_ROWS = 32
 
 
 def padded_rows(rows: int) -> int:
