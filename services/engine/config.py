@@ -21,6 +21,7 @@ class EngineConfig:
     block_size: int = 32  # tokens per KV block: decode gathers whole blocks, and 2 KB runs (16) ran 2.4x slower cold
     kv_cache_mb: int | None = None  # None: enough blocks for max_num_seqs full-length sequences, capped
     seed: int = 0
+    enforce_eager: bool = False  # CUDA: decode steps run eagerly, no CUDA graphs (vLLM's flag)
     # Offload runtime (services/engine/offload): which policy, how big the device expert cache, which link.
     offload_policy: str = "resident"
     expert_cache_gb: float | None = None
@@ -97,6 +98,10 @@ class EngineConfig:
                 continue
             if f.type in ("int", "int | None"):
                 values[f.name] = int(raw)
+            elif f.type == "bool":
+                if raw.lower() not in ("0", "1", "true", "false"):
+                    raise ValueError(f"HINTSERVE_{f.name.upper()} must be 0, 1, true or false, got {raw!r}")
+                values[f.name] = raw.lower() in ("1", "true")
             elif f.type == "float | None":
                 values[f.name] = float(raw)
             else:

@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
+from services.engine.cuda_graphs import graphs_supported
 from services.engine.errors import InvalidRequestError
 from services.engine.host_allocator import keep_large_allocations
 from services.engine.input_processor import (
@@ -83,7 +84,10 @@ class LLMEngine:
         self.eos_ids = tuple(sorted(eos))
         self.block_manager = BlockManager(self._num_kv_blocks(loaded.dtype.itemsize), config.block_size)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager)
-        self.runner = ModelRunner(loaded.model, self.block_manager, self.eos_ids, config.seed, config.device)
+        graphs = not config.enforce_eager and graphs_supported(loaded.model)
+        self.runner = ModelRunner(loaded.model, self.block_manager, self.eos_ids, config.seed, config.device, graphs)
+        if graphs:
+            self._capture_graphs()
         self.isolator = StepIsolator(self.runner.run)
         self._start_predictor_link(loaded.model.experts)
         self.model = loaded.model
@@ -97,6 +101,14 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, self.limits)
         self._streams: dict[str, tuple[Sequence, RequestStream | None]] = {}
         self.counters: Counter[str] = Counter()
+
+    def _capture_graphs(self) -> None:
+        """CUDA graphs for every decode bucket; a capture that fails leaves decode eager, with a warning."""
+        blocks = math.ceil(self.max_model_len / self.config.block_size)
+        try:
+            self.runner.capture_graphs(self.config.max_num_seqs, blocks)
+        except RuntimeError as exc:
+            log.warning("CUDA graph capture failed, decode runs eagerly (--enforce-eager skips trying): %s", exc)
 
     def _start_predictor_link(self, experts: object) -> None:
         """A hint policy's prefetcher gets its predictor link, which watches the runner's steps."""

@@ -7,7 +7,8 @@ from collections.abc import Callable
 import torch
 
 from services.engine.block_manager import BlockManager
-from services.engine.models.attention import AttentionMetadata
+from services.engine.cuda_graphs import DecodeGraphs
+from services.engine.models.attention import AttentionMetadata, decode_metadata
 from services.engine.models.model import MoECausalLM
 from services.engine.sampler import sample
 from services.engine.sequence import Sequence
@@ -22,7 +23,10 @@ class ModelRunner:
         eos_ids: tuple[int, ...],
         seed: int,
         device: torch.device | str,
+        cuda_graphs: bool = False,
     ) -> None:
+        """cuda_graphs: keep one KV block out of the block manager's reach as the padded rows' scratch, for
+        `capture_graphs`."""
         self.model = model
         self.block_manager = block_manager
         self.eos_ids = eos_ids
@@ -34,9 +38,28 @@ class ModelRunner:
         # mid-step, right after that layer's routing (the predictor link's partial contexts).
         self.step_observers: list[Callable[[StepContext], None]] = []
         self.layer_observers: dict[int, list[Callable[[int, StepContext], None]]] = {}
-        model.allocate_kv_cache(block_manager.num_blocks * block_manager.block_size)
+        model.allocate_kv_cache((block_manager.num_blocks + cuda_graphs) * block_manager.block_size)
+        self.graphs: DecodeGraphs | None = None
+        self._graph_scratch = cuda_graphs
+
+    def capture_graphs(self, max_seqs: int, max_blocks: int) -> None:
+        """Decode steps replay CUDA graphs from here on (see cuda_graphs); raises if capture fails."""
+        if not self._graph_scratch:
+            raise ValueError("the runner was built without cuda_graphs (no scratch KV block)")
+        bs = self.block_manager.block_size
+        graphs = DecodeGraphs(self.model, max_seqs, max_blocks, bs, self.block_manager.num_blocks * bs)
+        graphs.capture()
+        self.graphs = graphs
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        if not is_prefill and self.graphs is not None and not self.step_observers and not self.layer_observers:
+            positions, slots, tables = self._decode_lists(seqs)
+            if self.graphs.fits(len(seqs), max(len(t) for t in tables)):
+                self.num_steps += 1
+                logits = self.graphs.replay([s.last_token_id for s in seqs], positions, slots, tables)
+                for seq in seqs:
+                    seq.num_cached_tokens = len(seq)
+                return sample(logits.cpu(), seqs, self.eos_ids, self.generator)
         if is_prefill:
             input_ids, positions, meta, last = self._prepare_prefill(seqs)
         else:
@@ -81,24 +104,17 @@ class ModelRunner:
         return self._tensor(input_ids), self._tensor(positions), meta, self._tensor(last)
 
     def _prepare_decode(self, seqs: list[Sequence]):
+        positions, slots, tables = self._decode_lists(seqs)
+        max_blocks = max(len(t) for t in tables)
+        block_tables = self._tensor([t + [0] * (max_blocks - len(t)) for t in tables])
+        position_tensor = self._tensor(positions)
+        meta = decode_metadata(position_tensor, self._tensor(slots), block_tables, self.block_manager.block_size)
+        input_ids = self._tensor([s.last_token_id for s in seqs])
+        return input_ids, position_tensor, meta, None
+
+    def _decode_lists(self, seqs: list[Sequence]) -> tuple[list[int], list[int], list[list[int]]]:
+        """Each sequence's new position, its KV slot, and its block table."""
         bs = self.block_manager.block_size
         positions = [len(s) - 1 for s in seqs]
         slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
-        max_blocks = max(len(s.block_table) for s in seqs)
-        tables = self._tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs])
-        offsets = torch.arange(max_blocks * bs, device=self.device)
-        context_slots = (tables[:, :, None] * bs + offsets[:bs]).view(len(seqs), -1)
-        position_tensor = self._tensor(positions)
-        mask = (offsets[None, :] <= position_tensor[:, None])[:, None, None, :]
-        meta = AttentionMetadata(
-            is_prefill=False,
-            slot_mapping=self._tensor(slots),
-            seq_lens=[1] * len(seqs),
-            block_tables=tables,
-            block_size=bs,
-            context_slots=context_slots,
-            context_mask=mask,
-            context_lens=position_tensor + 1,
-        )
-        input_ids = self._tensor([s.last_token_id for s in seqs])
-        return input_ids, position_tensor, meta, None
+        return positions, slots, [s.block_table for s in seqs]

@@ -28,6 +28,26 @@ class AttentionMetadata:
     decode_bias: torch.Tensor | None = None
 
 
+def decode_metadata(
+    positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor, block_size: int
+) -> AttentionMetadata:
+    """A decode step's layout from device tensors alone (no host reads, so a CUDA graph can capture it):
+    positions [B] of the new tokens, their KV slots [B], block tables [B, max_blocks] padded with any block."""
+    batch, max_blocks = block_tables.shape
+    offsets = torch.arange(max_blocks * block_size, device=positions.device)
+    context_slots = (block_tables[:, :, None] * block_size + offsets[:block_size]).view(batch, -1)
+    return AttentionMetadata(
+        is_prefill=False,
+        slot_mapping=slots,
+        seq_lens=[1] * batch,
+        block_tables=block_tables,
+        block_size=block_size,
+        context_slots=context_slots,
+        context_mask=(offsets[None, :] <= positions[:, None])[:, None, None, :],
+        context_lens=positions + 1,
+    )
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in fp32, as transformers does."""
     dtype = x.dtype
