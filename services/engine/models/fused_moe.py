@@ -104,7 +104,10 @@ def fused_moe_forward(
         return _packed_one_token(x, weights, experts, stacked.packed)
     flat_experts = experts.flatten()
     order = torch.argsort(flat_experts, stable=True)  # assignments grouped by expert, tokens ascending
-    ends = torch.cumsum(torch.bincount(flat_experts, minlength=stacked.w13.shape[0]), 0, dtype=torch.int32)
+    # scatter_add_, not bincount: CUDA's bincount reads the largest id back to size its output (a host sync
+    # that a CUDA graph cannot capture)
+    counts = torch.zeros(stacked.w13.shape[0], dtype=torch.int64, device=x.device)
+    ends = torch.cumsum(counts.scatter_add_(0, flat_experts, torch.ones_like(flat_experts)), 0, dtype=torch.int32)
     rows = x.index_select(0, order // top_k).to(stacked.w13.dtype)  # bf16 experts (fp32 activations): bf16 math
     if stacked.packed:
         y = _packed_experts(rows, ends, stacked.packed)
