@@ -88,8 +88,8 @@ def library() -> ctypes.CDLL | None:
             lib = ctypes.CDLL(str(_build(compiler, flags)))
             break
         except subprocess.CalledProcessError as exc:
-            error = (exc.stderr or "").strip().splitlines()[-1:] or [str(exc)]
-            error = error[0]
+            lines = (exc.stderr or "").strip().splitlines()
+            error = lines[-1] if lines else str(exc)
         except (OSError, subprocess.TimeoutExpired) as exc:
             error = str(exc)
     else:
