@@ -71,6 +71,8 @@ class MoECausalLM:
         # The native CPU kernels' layer path: fp32 on the CPU (each step also asks for one torch thread).
         self.native_ready = device.type == "cpu" and dtype == torch.float32 and all(
             n.dtype == torch.float32 for layer in weights.layers for n in (layer.input_norm, layer.post_attention_norm))
+        # q and k rotated in one pass over their heads (nothing to normalise or clip between projection and RoPE)
+        self.one_pass_rope = spec.mla is None and spec.qk_norm == "none" and spec.clip_qkv is None
 
     def allocate_kv_cache(self, num_slots: int) -> None:
         e, layers = self.w.embed, range(self.spec.num_layers)
@@ -116,10 +118,11 @@ class MoECausalLM:
         prune = prune and output_rows is not None and not ctx.layer_observers and self._prunable(last)
         h = F.embedding(input_ids, self.w.embed)
         ctx.embeddings = h
-        # One torch thread, fp32 on the CPU: norms, RoPE and the KV write through the native kernels.
+        # One torch thread, fp32 on the CPU: norms, RoPE and the KV write through the native kernels (RoPE from
+        # the full tables, so no rows are selected here).
         native = self.native_ready and cpu_kernels.usable(h)
-        rope = None if native and self.spec.mla is None else (self.cos.index_select(0, positions),
-                                                               self.sin.index_select(0, positions))
+        rope = None if native and self.one_pass_rope else (self.cos.index_select(0, positions),
+                                                           self.sin.index_select(0, positions))
         h, x = add_rms_norm(h, None, layers[0].input_norm, spec.rms_norm_eps, native)
         for i, layer in enumerate(layers):
             if isinstance(layer.attention, MlaWeights):
@@ -162,7 +165,7 @@ class MoECausalLM:
         tokens = x.shape[0]
         qkv = self.qkv[i](x)  # type: ignore[misc]
         q_width, kv_width, _ = self.qkv_sizes
-        if spec.qk_norm == "none" and spec.clip_qkv is None:  # q and k rotated in one pass over their heads
+        if self.one_pass_rope:
             if rope is None:
                 cpu_kernels.rope_write_kv(qkv, spec.num_heads, spec.num_kv_heads, spec.head_dim, self.cos, self.sin,
                                           positions, meta.slot_mapping, self.k_caches[i], self.v_caches[i])
@@ -175,8 +178,7 @@ class MoECausalLM:
             q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
             v = qkv[:, q_width + kv_width :].view(tokens, spec.num_kv_heads, spec.head_dim)
             return self._attend(i, q, k, v, meta, output_rows=output_rows)
-        cos, sin = rope if rope is not None else (self.cos.index_select(0, positions),
-                                                  self.sin.index_select(0, positions))
+        cos, sin = rope  # type: ignore[misc]
         q, k, v = qkv.split(self.qkv_sizes, dim=-1)
         if spec.qk_norm == "full":  # OLMoE normalises the whole projection before splitting heads
             q = rms_norm(q, a.q_norm, spec.rms_norm_eps)
