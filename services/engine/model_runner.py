@@ -52,14 +52,27 @@ class ModelRunner:
         self.graphs = graphs
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
-        if not is_prefill and self.graphs is not None and not self.step_observers and not self.layer_observers:
-            positions, slots, tables = self._decode_lists(seqs)
-            if self.graphs.fits(len(seqs), max(len(t) for t in tables)):
-                self.num_steps += 1
-                logits = self.graphs.replay([s.last_token_id for s in seqs], positions, slots, tables)
-                for seq in seqs:
-                    seq.num_cached_tokens = len(seq)
-                return sample(logits.cpu(), seqs, self.eos_ids, self.generator)
+        step = self.num_steps
+        self.num_steps += 1  # counted even if the step fails (the isolator may retry it)
+        logits = None if is_prefill else self._replay_decode(seqs)
+        if logits is None:
+            logits = self._forward(seqs, is_prefill, step)
+        for seq in seqs:
+            seq.num_cached_tokens = len(seq)
+        return sample(logits.cpu(), seqs, self.eos_ids, self.generator)
+
+    def _replay_decode(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """A decode step's logits from a CUDA graph; None where the step must run eagerly (no graphs, an
+        observer to call, or a batch or context past the largest bucket)."""
+        if self.graphs is None or self.step_observers or self.layer_observers:
+            return None
+        positions, slots, tables = self._decode_lists(seqs)
+        if not self.graphs.fits(len(seqs), max(len(t) for t in tables)):
+            return None
+        return self.graphs.replay([s.last_token_id for s in seqs], positions, slots, tables)
+
+    def _forward(self, seqs: list[Sequence], is_prefill: bool, step: int) -> torch.Tensor:
+        """The step's logits, eagerly: one row per sequence."""
         if is_prefill:
             input_ids, positions, meta, last = self._prepare_prefill(seqs)
         else:
@@ -68,20 +81,16 @@ class ModelRunner:
             phase=Phase.PREFILL if is_prefill else Phase.DECODE,
             request_ids=[s.request_id for s in seqs],
             num_tokens=int(input_ids.shape[0]),
-            step_index=self.num_steps,
+            step_index=step,
             seq_lens=meta.seq_lens,
             iterations=[s.num_completion_tokens for s in seqs],
             layer_observers=self.layer_observers,
         )
-        self.num_steps += 1
         # A prefill's last layer may skip the rows nobody reads when nothing records the step's full routing.
         hidden = self.model.forward(input_ids, positions, meta, ctx, output_rows=last, prune=not self.step_observers)
         for observe in self.step_observers:
             observe(ctx)
-        logits = self.model.compute_logits(hidden)
-        for seq in seqs:
-            seq.num_cached_tokens = len(seq)
-        return sample(logits.cpu(), seqs, self.eos_ids, self.generator)
+        return self.model.compute_logits(hidden)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
