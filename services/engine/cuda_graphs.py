@@ -11,15 +11,11 @@ steps, batches or contexts past the largest bucket) runs eagerly.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from services.engine.models.attention import decode_metadata
 from services.engine.models.model import MoECausalLM
 from services.engine.step_context import Phase, StepContext
-
-log = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -91,8 +87,8 @@ class DecodeGraphs:
         size = next(b for b in self.batch_sizes if b >= batch)
         width = next(w for w in self.block_counts if w >= blocks)
         graph, logits = self.graphs[(size, width)]
-        padded = [t + [0] * (width - len(t)) for t in tables] + [[0] * width] * (size - batch)
         pad = size - batch
+        padded = [t + [0] * (width - len(t)) for t in tables] + [[0] * width] * pad
         self.input_ids[:size].copy_(torch.tensor(input_ids + [0] * pad))
         self.positions[:size].copy_(torch.tensor(positions + [0] * pad))
         self.slots[:size].copy_(torch.tensor(slots + [self.scratch_slot] * pad))

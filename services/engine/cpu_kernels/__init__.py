@@ -109,6 +109,11 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+def widths_supported(*widths: int) -> bool:
+    """The kernels vectorise every row they loop over (hidden, intermediate, head size, GEMM K and N) in 16s."""
+    return all(width % 16 == 0 for width in widths)
+
+
 def usable(x: torch.Tensor) -> bool:
     """Whether the kernels run for activations `x`: fp32 on the CPU, one torch thread, the library built."""
     return (x.dtype == torch.float32 and x.device.type == "cpu" and torch.get_num_threads() == 1
@@ -133,11 +138,6 @@ class _Scratch(threading.local):
 _scratch = _Scratch()
 
 
-def moe_shapes_supported(hidden: int, intermediate: int) -> bool:
-    """The expert kernel vectorises over hidden and intermediate in 16s."""
-    return hidden % 16 == 0 and intermediate % 16 == 0
-
-
 def moe_swiglu(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
                w2: torch.Tensor) -> torch.Tensor:
     """x [T, H] through each token's top-k experts (ids and weights [T, k]), summed: fused_moe's result.
@@ -156,10 +156,6 @@ def moe_swiglu(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1
     if status != 0:
         raise ValueError(f"expert id out of range 0..{num_experts - 1}")
     return out
-
-
-def attention_shapes_supported(head_dim: int) -> bool:
-    return head_dim % 16 == 0
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -182,10 +178,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if status != 0:
         raise ValueError("a context length or block id is outside the KV cache")
     return out
-
-
-def linear_shapes_supported(in_features: int, out_features: int) -> bool:
-    return in_features % 16 == 0 and out_features % 16 == 0
 
 
 def linear(x: torch.Tensor, weight_in_out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -143,7 +143,7 @@ def decode_attention(
     gathered copy of the context: on CPU several times faster than SDPA's kernel for a single query row.
     """
     kv_heads, _, head_dim = k_cache.shape
-    if (meta.context_lens is not None and cpu_kernels.attention_shapes_supported(head_dim)
+    if (meta.context_lens is not None and cpu_kernels.widths_supported(head_dim)
             and cpu_kernels.usable(q)):
         return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                                   meta.block_size, scale)

@@ -55,7 +55,7 @@ class StackedExperts:
     def native(self) -> bool:
         """Whether the native CPU kernel takes these experts (fp32 on the CPU, widths in 16s)."""
         return (self.w13.dtype == torch.float32 and self.w13.device.type == "cpu"
-                and cpu_kernels.moe_shapes_supported(self.w2.shape[2], self.w2.shape[1]))
+                and cpu_kernels.widths_supported(self.w2.shape[2], self.w2.shape[1]))
 
     @property
     def packed_bytes(self) -> int:

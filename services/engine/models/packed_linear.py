@@ -87,7 +87,7 @@ class PackedLinear:
         self.bias = bias
         # The native kernel reads the [in, out] copy: fp32, widths in 16s (on one torch thread, per call).
         self.native = (pack and self.weight.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32)
-                       and cpu_kernels.linear_shapes_supported(*self.weight.t().shape))
+                       and cpu_kernels.widths_supported(*self.weight.t().shape))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
