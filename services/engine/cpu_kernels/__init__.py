@@ -146,7 +146,7 @@ def moe_swiglu(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1
     tokens, top_k = experts.shape
     num_experts, hidden, intermediate = w2.shape[0], w2.shape[2], w2.shape[1]
     x = x.contiguous()
-    experts = experts.contiguous() if experts.dtype == torch.int64 else experts.to(torch.int64).contiguous()
+    experts = experts.to(torch.int64).contiguous()  # no copy when already so (topk's)
     weights = weights.to(torch.float32).contiguous()
     out = torch.empty(tokens, hidden)
     floats, ints = _scratch.get(_ROWS * (2 * hidden + 3 * intermediate), tokens * top_k)
