@@ -148,18 +148,91 @@ def test_one_thread_engine_takes_both_kernels_with_the_same_greedy_text(monkeypa
 
     monkeypatch.setattr(attention.cpu_kernels, "paged_decode_attention", count("attention", attention_kernel))
     monkeypatch.setattr(fused_moe.cpu_kernels, "moe_swiglu", count("moe", moe_kernel))
+    _same_text_with_and_without_kernels(monkeypatch, EngineConfig(), prompts, params, calls)
+
+
+def _same_text_with_and_without_kernels(monkeypatch, config: EngineConfig, prompts, params, calls: dict) -> None:
+    """One engine on one thread: every counted kernel runs, then with the kernels unusable none does, and the
+    greedy tokens are the same."""
     with intra_op_threads(1):
-        engine = LLMEngine(EngineConfig(), detokenize=False)
+        engine = LLMEngine(config, detokenize=False)
         try:
             native = engine.generate(prompts, params)
-            assert calls["attention"] > 0 and calls["moe"] > 0
+            assert all(calls.values()), calls
             monkeypatch.setattr(cpu_kernels, "usable", lambda x: False)
-            calls.update(attention=0, moe=0)
+            calls.update(dict.fromkeys(calls, 0))
             plain = engine.generate(prompts, params)
-            assert calls == {"attention": 0, "moe": 0}
+            assert not any(calls.values()), calls
         finally:
             engine.close()
     assert native == plain
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 17])
+def test_expert_rows_matches_torch_in_every_mode(rows: int) -> None:
+    """One expert in torch's layout (the offload store's), with and without its gather, halves and scatter."""
+    g = torch.Generator().manual_seed(rows)
+    hidden, intermediate, tokens = 32, 48, 20
+    x = torch.randn(tokens, hidden, generator=g)
+    gate_up, down = torch.randn(2 * intermediate, hidden, generator=g), torch.randn(hidden, intermediate, generator=g)
+    index = torch.randint(0, tokens, (rows + 3,), generator=g)  # 3 assignments before this expert's
+    route = torch.rand(rows + 3, generator=g)
+    own, weights = index[3:], route[3:, None]
+    h = F.silu(x[own] @ gate_up[:intermediate].T) * (x[own] @ gate_up[intermediate:].T)
+    y = h @ down.T
+
+    out = torch.randn(tokens, hidden, generator=g)
+    expected = out.clone().index_add_(0, own, y * weights)
+    cpu_kernels.expert_rows(x, gate_up, down, out, rows, 3, index, index, route)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+
+    whole, activation = torch.empty(rows, hidden), torch.empty(rows, intermediate)
+    cpu_kernels.expert_rows(x[own], gate_up, down, whole, rows)
+    cpu_kernels.expert_rows(x[own], gate_up, None, activation, rows)
+    torch.testing.assert_close(whole, y, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(activation, h, rtol=1e-5, atol=1e-4)
+
+    out = torch.zeros(tokens, hidden)
+    cpu_kernels.expert_rows(h, None, down, out, rows, 3, None, index, route)  # a split expert's down half
+    cpu_kernels.expert_rows(y, None, None, out, rows, 3, None, index, route)  # a host expert's output
+    torch.testing.assert_close(out, torch.zeros(tokens, hidden).index_add_(0, own, 2 * y * weights),
+                               rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("policy", ["lru", "cpu-experts", "hintserve"])
+def test_one_thread_offloaded_engine_takes_the_expert_kernel_with_the_same_greedy_text(monkeypatch, policy) -> None:
+    """Cache hits, host-computed and split experts all go through expert_rows, with torch's tokens."""
+    prompts = [[5, 17, 300, 42, 7, 99, 1200, 3], list(range(100, 150))]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    calls = {"gate_up": 0, "down": 0}
+    kernel = cpu_kernels.expert_rows
+
+    def counted(x, gate_up, down, *args):
+        calls["gate_up"] += gate_up is not None
+        calls["down"] += down is not None
+        return kernel(x, gate_up, down, *args)
+
+    monkeypatch.setattr(cpu_kernels, "expert_rows", counted)
+    config = EngineConfig(offload_policy=policy, expert_cache_fraction=0.25, link_ratio=2.0, host_ratio=2.0)
+    _same_text_with_and_without_kernels(monkeypatch, config, prompts, params, calls)
+
+
+def test_the_emulation_unit_times_the_engines_expert_path_from_memory(monkeypatch) -> None:
+    """The unit --link-ratio and --host-ratio multiply: experts as the engine computes them, cycling through
+    more weights than a last-level cache holds (one expert over and over measured cache-hot math)."""
+    from services.engine.models import moe
+    from services.engine.offload import link
+
+    seen: dict[int, int] = {}
+    forward = moe.expert_forward
+
+    def recorded(x, w):
+        seen[id(w)] = w.nbytes
+        return forward(x, w)
+
+    monkeypatch.setattr(moe, "expert_forward", recorded)
+    link.expert_compute_seconds(64, 128, torch.float32, repeats=10)
+    assert sum(seen.values()) >= link.COLD_BYTES
 
 
 @pytest.mark.parametrize("rows", [1, 7, 8, 9, 16])

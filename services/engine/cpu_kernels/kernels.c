@@ -121,6 +121,18 @@ void linear_rows_f32(const float *x, const float *w, const float *bias, float *y
             for (int64_t n = 0; n < N; n++) y[m * N + n] += bias[n];
 }
 
+/* act[m, I] = silu(gate) * up for m rows of gu [m, 2I] (gate columns, then up). */
+static void swiglu_rows(const float *gu, float *act, int64_t m, int64_t I) {
+    for (int64_t r = 0; r < m; r++) {
+        const float *g = gu + r * 2 * I, *u = g + I;
+        float *h = act + r * I;
+        for (int64_t i = 0; i < I; i += VL) {
+            v16 gv = vload(g + i);
+            vstore(h + i, gv / (1.0f + vexp(-gv)) * vload(u + i));
+        }
+    }
+}
+
 /* Routed experts for a few tokens: out[T, H] = sum over each token's top_k experts of weight * SwiGLU(x).
  * w13: [E, H, 2I] (gate columns, then up); w2: [E, I, H]. Tokens are grouped per expert here (a scan of
  * ids per expert), each expert's weights read once per ROWS of its tokens.
@@ -143,14 +155,7 @@ int moe_swiglu_f32(const float *x, const int64_t *ids, const float *weights, int
             for (int64_t m = 0; m < m_rows; m++)
                 memcpy(xs + m * H, x + (rows[c0 + m] / top_k) * H, (size_t)H * sizeof(float));
             gemm_rows(xs, H, gate_up, gu, 2 * I, m_rows, H, 2 * I);
-            for (int64_t m = 0; m < m_rows; m++) {
-                const float *g = gu + m * 2 * I, *u = g + I;
-                float *h = act + m * I;
-                for (int64_t i = 0; i < I; i += VL) {
-                    v16 gv = vload(g + i);
-                    vstore(h + i, gv / (1.0f + vexp(-gv)) * vload(u + i));
-                }
-            }
+            swiglu_rows(gu, act, m_rows, I);
             gemm_rows(act, I, down, ys, H, m_rows, I, H);
             for (int64_t m = 0; m < m_rows; m++) {
                 int64_t a = rows[c0 + m];
@@ -323,4 +328,84 @@ int rope_write_kv_f32(float *qkv, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
         }
     }
     return 0;
+}
+
+/* y[M, N] = x[M, K] @ w[N, K]^T for M <= 4: torch's Linear layout, as the offload store keeps experts (each
+ * expert a contiguous block its cache slot and the link move whole). Each output is a dot product over K:
+ * a block of R weight rows against the M tokens fills R * M <= 16 accumulators, whose lane sums come out of
+ * one hsum16 fold. The block's rows are read once from memory (the next block prefetched into L2). */
+static inline __attribute__((always_inline)) void gemm_nt_block(const float *x, int64_t ldx, const float *w,
+                                                                float *y, int64_t ldy, int64_t M, int64_t K,
+                                                                int64_t n, const int R) {
+    v16 acc[16];
+    for (int j = 0; j < 16; j++) acc[j] = vsplat(0.0f);
+    const float *wn = w + n * K;
+    for (int64_t k = 0; k < K; k += VL) {
+        v16 xv[4];
+        for (int m = 0; m < 16 / R; m++) xv[m] = vload(x + (m < M ? m : 0) * ldx + k);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; r++) {
+            v16 wv = vload(wn + r * K + k);
+            __builtin_prefetch(wn + (R + r) * K + k, 0, TO_L2);
+#pragma GCC unroll 4
+            for (int m = 0; m < 16 / R; m++) acc[r * (16 / R) + m] += wv * xv[m];
+        }
+    }
+    v16 sums = hsum16(acc);
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) y[m * ldy + n + r] = sums[r * (16 / R) + m];
+}
+
+static void gemm_nt(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int64_t M, int64_t K,
+                    int64_t N) {
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        int64_t m = M - m0 < 4 ? M - m0 : 4;
+        for (int64_t n = 0; n < N; n += 16 / (m > 2 ? 4 : m)) {
+            if (m == 1) gemm_nt_block(x + m0 * ldx, ldx, w, y + m0 * ldy, ldy, 1, K, n, 16);
+            else if (m == 2) gemm_nt_block(x + m0 * ldx, ldx, w, y + m0 * ldy, ldy, 2, K, n, 8);
+            else gemm_nt_block(x + m0 * ldx, ldx, w, y + m0 * ldy, ldy, m, K, n, 4);
+        }
+    }
+}
+
+/* One expert in torch's layout on the rows routed to it, in passes of up to NT_ROWS tokens:
+ *   rows r < n: x_r = x[gather[r]] (gather NULL: x[r]);
+ *   gate_up [2I, H] (gate rows, then up): h_r = silu(x_r gate^T) * (x_r up^T) (gate_up NULL: x_r is h_r);
+ *   down [H, I]: y_r = h_r down^T (down NULL: y_r is x_r);
+ *   scatter NULL: out[r] = y_r; else out[scatter[r]] += route_w[r] * y_r (route_w NULL: weight 1).
+ * Widths H and I multiples of 16. scratch: NT_ROWS * (max(H, I) + 3I + H) floats. */
+#define NT_ROWS 4
+void expert_rows_f32(const float *x, int64_t ldx, const int64_t *gather, int64_t n, const float *gate_up,
+                     const float *down, int64_t H, int64_t I, const int64_t *scatter, const float *route_w,
+                     float *out, float *scratch) {
+    int64_t in_width = gate_up ? H : I, out_width = down ? H : I;
+    float *xs = scratch, *gu = xs + NT_ROWS * (H > I ? H : I), *act = gu + NT_ROWS * 2 * I, *ys = act + NT_ROWS * I;
+    for (int64_t r0 = 0; r0 < n; r0 += NT_ROWS) {
+        int64_t m = n - r0 < NT_ROWS ? n - r0 : NT_ROWS;
+        const float *rows = x + r0 * ldx;
+        int64_t ld = ldx;
+        if (gather) {
+            for (int64_t r = 0; r < m; r++)
+                memcpy(xs + r * in_width, x + gather[r0 + r] * ldx, (size_t)in_width * sizeof(float));
+            rows = xs, ld = in_width;
+        }
+        if (gate_up) {
+            gemm_nt(rows, ld, gate_up, gu, 2 * I, m, H, 2 * I);
+            swiglu_rows(gu, act, m, I);
+            rows = act, ld = I;
+        }
+        if (down) {
+            gemm_nt(rows, ld, down, ys, H, m, I, H);
+            rows = ys, ld = H;
+        }
+        for (int64_t r = 0; r < m; r++) {
+            const float *yr = rows + r * ld;
+            if (!scatter) {
+                memcpy(out + (r0 + r) * out_width, yr, (size_t)out_width * sizeof(float));
+                continue;
+            }
+            float wgt = route_w ? route_w[r0 + r] : 1.0f, *o = out + scatter[r0 + r] * out_width;
+            for (int64_t h = 0; h < out_width; h += VL) vstore(o + h, vload(o + h) + vload(yr + h) * wgt);
+        }
+    }
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from services.engine import cpu_kernels
 from services.engine.expert_provider import ExpertProvider, ExpertWeights
 from services.engine.models.router import Routing
 from services.engine.quant.kernels import packed_swiglu
@@ -25,7 +26,19 @@ def expert_forward(x: torch.Tensor, w: ExpertWeights | QuantizedExpertWeights) -
     """One routed expert on the tokens routed to it: the single entry point every executor calls."""
     if isinstance(w, QuantizedExpertWeights):
         return packed_swiglu(x, w.gate_up, w.down)
+    if native_expert(w) and cpu_kernels.usable(x) and x.stride(-1) == 1:
+        y = torch.empty(x.shape[0], w.down.shape[0])
+        cpu_kernels.expert_rows(x, w.gate_up, w.down, y, x.shape[0])
+        return y
     return expert_down(expert_activation(x, w.gate_up), w.down, x.dtype)
+
+
+def native_expert(w: ExpertWeights | QuantizedExpertWeights) -> bool:
+    """Whether cpu_kernels.expert_rows computes this expert: fp32 weights in torch's layout, contiguous
+    (an expert cache slot's or the host store's views), widths in 16s; the activations are the caller's check."""
+    return (isinstance(w, ExpertWeights) and w.gate_up.dtype == torch.float32 and w.down.dtype == torch.float32
+            and w.gate_up.is_contiguous() and w.down.is_contiguous()
+            and cpu_kernels.widths_supported(*w.down.shape))
 
 
 # A split expert (offload/split_experts.py) runs the same two halves on two sides: the activation where
@@ -59,14 +72,31 @@ def moe_forward(
     flat_experts = experts.flatten()
     order = torch.argsort(flat_experts, stable=True)  # assignments grouped by expert, tokens ascending
     token_of_assignment = order // top_k
-    weight_of_assignment = weights.flatten().index_select(0, order)[:, None]
+    weight_of_assignment = weights.flatten().index_select(0, order)
     counts = torch.bincount(flat_experts, minlength=probs.shape[-1]).tolist()
     offsets = [0]
     for c in counts:
         offsets.append(offsets[-1] + c)
 
     active = [e for e, c in enumerate(counts) if c]
-    outputs = torch.empty(len(order), x.shape[1], dtype=x.dtype, device=x.device)
+    # One torch thread on fp32 CPU activations: each expert's rows are gathered, computed and added into
+    # `out` by one native call, with no per-expert tensors; otherwise outputs are sorted, then un-sorted.
+    native = cpu_kernels.usable(x) and cpu_kernels.widths_supported(x.shape[1]) and x.stride(-1) == 1
+    if native:
+        out = torch.zeros_like(x)
+        weight_of_assignment = weight_of_assignment.to(torch.float32)
+    else:
+        outputs = torch.empty(len(order), x.shape[1], dtype=x.dtype, device=x.device)
+        weight_of_assignment = weight_of_assignment[:, None]
+
+    def emit(expert: int, y: torch.Tensor) -> None:
+        start, end = offsets[expert], offsets[expert + 1]
+        if native:
+            cpu_kernels.expert_rows(y, None, None, out, end - start, start, None, token_of_assignment,
+                                    weight_of_assignment)
+        else:
+            outputs[start:end] = y * weight_of_assignment[start:end]
+
     plan = provider.begin_layer(layer, active, ctx, [counts[e] for e in active])
     # Host work first, so its worker threads run while the device computes the rest; split experts' halves
     # first of all, since the device finishes them.
@@ -74,18 +104,25 @@ def moe_forward(
     split = [(e, provider.host_activation(layer, e, rows(e))) for e in plan.split]
     on_host = [(e, provider.host_forward(layer, e, rows(e))) for e in plan.host]
     for expert in plan.device:
-        start, end = offsets[expert], offsets[expert + 1]
         w = provider.get(layer, expert)
-        y = expert_forward(rows(expert), w)
-        outputs[start:end] = y * weight_of_assignment[start:end]
+        if native and native_expert(w):
+            start = offsets[expert]
+            cpu_kernels.expert_rows(x, w.gate_up, w.down, out, offsets[expert + 1] - start, start,
+                                    token_of_assignment, token_of_assignment, weight_of_assignment)
+        else:
+            emit(expert, expert_forward(rows(expert), w))
     for expert, future in split:
-        start, end = offsets[expert], offsets[expert + 1]
-        h = future.result()
-        outputs[start:end] = expert_down(h, provider.get_down(layer, expert), x.dtype) * weight_of_assignment[start:end]
+        h, down = future.result(), provider.get_down(layer, expert)
+        if native and down.dtype == torch.float32 and down.is_contiguous():
+            start = offsets[expert]
+            cpu_kernels.expert_rows(h, None, down, out, offsets[expert + 1] - start, start, None,
+                                    token_of_assignment, weight_of_assignment)
+        else:
+            emit(expert, expert_down(h, down, x.dtype))
     for expert, future in on_host:
-        start, end = offsets[expert], offsets[expert + 1]
-        outputs[start:end] = future.result() * weight_of_assignment[start:end]
-    # Un-sort and add each token's k expert outputs (index_add_ is far slower on CPU for small batches).
-    out = outputs.index_select(0, torch.argsort(order)).view(x.shape[0], top_k, -1).sum(dim=1)
+        emit(expert, future.result())
+    if not native:
+        # Un-sort and add each token's k expert outputs (index_add_ is far slower on CPU for small batches).
+        out = outputs.index_select(0, torch.argsort(order)).view(x.shape[0], top_k, -1).sum(dim=1)
     provider.end_layer(layer, ctx)
     return out
