@@ -3,6 +3,8 @@ profiles, the hybrid calibration figures, and the hybrid policies on the real Mi
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from services.engine.offload.policies import get_policy
@@ -86,3 +88,22 @@ def test_hybrid_policies_on_the_mixtral_trace(tmp_path) -> None:
     assert tpot["ktransformers"] < tpot["cpu-experts"]
     assert tpot["hintserve"] <= tpot["cpu-experts"]
     assert "skip-gate" in next(r["note"] for r in rows if r["policy"] == "hintserve")
+
+
+def test_the_prefetch_gate_times_planning_on_the_simulated_clock(tmp_path) -> None:
+    """Planning is not priced in the simulator: timed on the wall clock, the gate's choices (and so the figures)
+    moved with this machine's load from run to run."""
+    from services.simulator.policy_driver import build_offload
+    from services.simulator.timeline import SimClock
+
+    workload = Workload(uniform_trace(SMALL, 20, seed=3), SMALL)
+    path = str(tmp_path / "routing.json")
+    workload.routing_trace().save(path)
+    cost = MeasuredCost(SMALL.expert_bytes / 0.004, layer_s=0.001, expert_s=0.0002, host_ratio=10.0)
+    clock = SimClock()
+    policy = replace(get_policy("hintserve"), prefetchers=())  # the gate is there whoever it asks
+    offload = build_offload(policy, workload, clock, SMALL.expert_bytes / 0.004, 8, path, cost=cost)
+    gate = offload.provider.gate
+    assert gate is not None
+    clock.now = 12.5
+    assert gate.clock() == 12.5

@@ -161,6 +161,7 @@ def build_offload(
             *parts, stream_slots=spec.top_k, executor=host, pinned=pinned, prefetch_floor=policy.prefetch_floor,
             prefetch_depth=policy.prefetch_depth, split_staging=staging,
             placement=make_placement(policy, placement_costs(cost, spec.expert_bytes), split),
+            clock=lambda: clock.now,  # planning is not priced: the gate sees it free, run after run alike
         )
     hint_link = None
     hints = [p for p in prefetchers if isinstance(p, HintPrefetcher)]

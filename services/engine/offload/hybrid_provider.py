@@ -5,6 +5,7 @@ device for the whole run (static placements)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
@@ -38,8 +39,9 @@ class Landed(ReadyEvent):
 class HybridExpertProvider(OffloadedExpertProvider):
     def __init__(
         self, *args, executor, placement: Placement, pinned: list[Key] = (), prefetch_floor: float = 0.0,
-        prefetch_depth: int = 0, split_staging: int = 0, **kwargs
+        prefetch_depth: int = 0, split_staging: int = 0, clock: Callable[[], float] = time.perf_counter, **kwargs
     ) -> None:  # type: ignore[assignment]
+        """`clock`: what the prefetch gate times a prefetcher's planning with (the simulator's own clock)."""
         super().__init__(*args, **kwargs)
         self.prefetch_floor = prefetch_floor
         self.prefetch_depth = prefetch_depth  # prefetches on the link at once; 0: no limit
@@ -57,7 +59,7 @@ class HybridExpertProvider(OffloadedExpertProvider):
         self._hot_missing: list[Key] = []  # hot-set experts not cached, as of the last step end
         self.gate = None
         if self.costs is not None and prefetch_depth > 0:
-            self.gate = PrefetchGate(self._saving_per_hit(), self._copy_cpu_seconds())
+            self.gate = PrefetchGate(self._saving_per_hit(), self._copy_cpu_seconds(), clock=clock)
         # What the gate is told: which prefetcher filled each prefetched slot, and which evicted each
         # recent victim (a miss on one is a hit that prefetcher displaced); None: the hot-set fill.
         self._asking: int | None = None
