@@ -29,3 +29,21 @@ def test_offload_bench_rows_and_oracle_alignment(tiny_mixtral_dir: str, tmp_path
         assert 0.0 <= r["hit_rate"] <= 1.0 and r["tpot_ms"] > 0 and r["mb_per_token"] >= 0
     assert rows["resident"]["mb_per_token"] == 0.0 and rows["lru"]["mb_per_token"] > 0
     assert (tmp_path / "offload.md").is_file() and (tmp_path / "offload.png").is_file()
+
+
+def test_each_repeat_starts_one_policy_further_on(tiny_mixtral_dir: str, tmp_path: Path, monkeypatch) -> None:
+    """A policy that always ran right after the same one would carry that one's after-effects in every sample."""
+    from services.bench import offload_bench
+
+    order: list[str] = []  # the reference engine first, then the measured ones
+    engine = offload_bench.LLMEngine
+
+    def recorded(config, *args, **kwargs):
+        if config.offload_policy:
+            order.append(config.offload_policy)
+        return engine(config, *args, **kwargs)
+
+    monkeypatch.setattr(offload_bench, "LLMEngine", recorded)
+    run_offload_bench(tiny_mixtral_dir, ["resident", "lru", "layer"], [0.5], [2.0], [1], str(tmp_path / "o.json"),
+                      new_tokens=3, repeats=3)
+    assert order[1:] == ["resident", "lru", "layer", "lru", "layer", "resident", "layer", "resident", "lru"]

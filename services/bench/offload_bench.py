@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import tempfile
@@ -148,10 +149,12 @@ def run_offload_bench(
                 hot_set_path = os.path.join(trace_dir, f"calibration-{dtype}-b{batch}.json")
                 calibration.save(hot_set_path)
             reference.close()
-            # Repeats go round the policies, so a slow spell on a shared machine falls on all of them alike.
+            # Repeats go round the policies, so a slow spell on a shared machine falls on all of them alike,
+            # each repeat starting one policy further on, so no policy always runs right after the same one.
             samples: dict[str, list[Row]] = {policy: [] for policy in policies}
-            for _ in range(repeats):
-                for policy in policies:
+            for repeat in range(repeats):
+                shift = repeat % len(policies)
+                for policy in policies[shift:] + policies[:shift]:
                     name, _, eviction = policy.partition("@")  # "policy@eviction" swaps the policy's eviction
                     engine = LLMEngine(EngineConfig(
                         model=model_dir, max_num_seqs=max(batch, 1), offload_policy=name, eviction=eviction or None,
@@ -159,6 +162,7 @@ def run_offload_bench(
                         device=device, link=link, **size, **quant,
                     ))
                     _run(engine, warm, warm_params)
+                    gc.collect()  # the previous engines' garbage, freed here rather than during the timed run
                     tokens, ttft, tpot, counters = _run(engine, prompts, params)
                     row = _row(policy, cache, ratio, batch, engine, tokens, expected, ttft, tpot, counters,
                                batch * (new_tokens - 1))
