@@ -7,7 +7,7 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from tqdm import tqdm
 
@@ -40,6 +40,7 @@ class Row:
     tokens_identical_to_resident: bool
     expert_dtype: str = "auto"
     cache_experts: int = 0  # slots the cache budget holds (more for packed experts in the same bytes)
+    tpot_samples_ms: list[float] = field(default_factory=list)  # every repeat's TPOT, in the order run
 
 
 def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams):
@@ -186,12 +187,13 @@ def _split(prompts: list[list[int]], batch: int) -> tuple[list[list[int]], list[
 
 def _median_row(samples: list[Row]) -> Row:
     if len(samples) == 1:
-        return samples[0]
+        return replace(samples[0], tpot_samples_ms=[samples[0].tpot_ms])
     fields = asdict(samples[0])
     for name, value in fields.items():
         if isinstance(value, float):
             fields[name] = statistics.median(getattr(s, name) for s in samples)
     fields["tokens_identical_to_resident"] = all(s.tokens_identical_to_resident for s in samples)
+    fields["tpot_samples_ms"] = [s.tpot_ms for s in samples]
     fields["expert_dtype"] = samples[0].expert_dtype
     return Row(**fields)
 
