@@ -26,11 +26,11 @@ class RecordingLink(EmulatedLink):
         self.entered = threading.Event()  # the worker is inside its first copy
         self.labels: dict[int, str] = {}
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, issued_at: float = 0.0) -> None:
         self.entered.set()
         self.go.wait()
         self.order.append(self.labels[src.data_ptr()])
-        super().copy(dst, src)
+        super().copy(dst, src, issued_at=issued_at)
 
 
 def _transfer(link: RecordingLink, name: str, demand: bool, priority: float, chunks: int = 2) -> Transfer:
@@ -95,6 +95,19 @@ def test_emulated_link_costs_wall_clock_time() -> None:
     elapsed = time.perf_counter() - start
     assert 0.0160 <= elapsed < 0.2
     assert torch.equal(dst, src)
+
+
+def test_emulated_link_times_a_transfer_from_its_issue() -> None:
+    """A copy engine takes a transfer up when it is issued: the worker thread's late wake-up is not link time,
+    while chunks back to back still add up to the bandwidth."""
+    link = EmulatedLink(1e6)  # 40 KB: 40 ms
+    src, dst = torch.ones(10_000), torch.empty(10_000)
+    start = time.perf_counter()
+    link.copy(dst, src, issued_at=start - 0.03)  # issued 30 ms ago: 10 ms of it left
+    first = time.perf_counter() - start
+    link.copy(dst, src, issued_at=start - 0.03)  # queued behind the first: its own whole 40 ms
+    second = time.perf_counter() - start - first
+    assert first < 0.025 and 0.035 <= second < 0.2
 
 
 def _ctx(step: int = 0) -> StepContext:

@@ -53,7 +53,7 @@ class SimLink(Link):
         self.bytes_per_second = bytes_per_second
         self.engine: SimTransferEngine | None = None
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, issued_at: float = 0.0) -> None:
         pass
 
     def new_event(self) -> ReadyEvent:

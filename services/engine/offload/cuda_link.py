@@ -38,7 +38,9 @@ class CudaLink(Link):
         self.copy_stream = torch.cuda.Stream(device=self.device)
         self._chunk_events: list[torch.cuda.Event] = []
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, fence: torch.cuda.Event | None = None) -> None:
+    def copy(
+        self, dst: torch.Tensor, src: torch.Tensor, fence: torch.cuda.Event | None = None, *, issued_at: float = 0.0
+    ) -> None:
         with torch.cuda.stream(self.copy_stream):
             if fence is not None:  # the slot's previous contents must be consumed before we overwrite it
                 self.copy_stream.wait_event(fence)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
+import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
@@ -41,6 +42,7 @@ class Transfer:
     version: int = 0  # bumped on promotion; older heap entries are skipped
     chunk_offset: int = 0  # the layout's index of the first chunk moved (a split expert moves down only)
     nbytes: int = field(default=0)
+    issued_at: float = 0.0  # perf_counter seconds when submitted
 
 
 class TransferEngine:
@@ -56,6 +58,7 @@ class TransferEngine:
 
     def submit(self, transfer: Transfer) -> None:
         transfer.nbytes = sum(src.numel() * src.element_size() for _, src in transfer.chunks)
+        transfer.issued_at = time.perf_counter()
         with self._cond:
             self._push(transfer)
             self._cond.notify()
@@ -109,9 +112,9 @@ class TransferEngine:
                 dst, src = transfer.chunks[transfer.next_chunk]
                 demand = transfer.demand
             if transfer.fence is not None and transfer.next_chunk == 0:
-                self.link.copy(dst, src, transfer.fence)  # type: ignore[call-arg]
+                self.link.copy(dst, src, transfer.fence, issued_at=transfer.issued_at)  # type: ignore[call-arg]
             else:
-                self.link.copy(dst, src)
+                self.link.copy(dst, src, issued_at=transfer.issued_at)
             nbytes = src.numel() * src.element_size()
             if demand:
                 self.stats.bytes_demand += nbytes
