@@ -375,3 +375,30 @@ def test_emulated_sides_sleep_without_timer_slack() -> None:
     thread.start()
     thread.join()
     assert seen == [1] and slack() > 1  # per thread: the caller's own slack is untouched
+
+
+def test_host_work_starts_before_the_layers_prefetch_planning(reference, monkeypatch) -> None:
+    """Prefetch planning (the skip-gate runs later layers' routers) comes after a layer's host and split
+    experts are handed to the host, so it never delays their start."""
+    from services.engine.offload.hybrid_provider import HybridExpertProvider
+
+    calls: list[tuple[int, str]] = []
+    for name in ("host_forward", "host_activation", "_plan"):
+        original = getattr(HybridExpertProvider, name)
+
+        def recorded(self, *args, _original=original, _name=name):
+            calls.append((args[1] if _name == "_plan" else args[0], "plan" if _name == "_plan" else "host"))
+            return _original(self, *args)
+
+        monkeypatch.setattr(HybridExpertProvider, name, recorded)
+    tokens, expected, _, _ = _run(reference, "hintserve", expert_cache_fraction=0.25, link_ratio=100.0,
+                                  host_ratio=4.0)
+    assert tokens == expected
+    layers_with_both = 0
+    for i, (layer, kind) in enumerate(calls):
+        if kind == "host":  # no plan of this layer visit before it
+            visit = calls[:i]
+            while visit and visit[-1][0] == layer:
+                assert visit.pop()[1] == "host", calls[max(0, i - 6) : i + 1]
+            layers_with_both += any(c == (layer, "plan") for c in calls[i + 1 : i + 4])
+    assert layers_with_both > 0

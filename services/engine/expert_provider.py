@@ -41,7 +41,7 @@ class ExpertProvider(ABC):
 
     Per MoE layer and step: `begin_layer` with the step's expert set right after the router (the provider may
     queue fetches, choose the compute order and keep some experts on the host), `host_forward` for each host
-    expert, `get` for each device expert in order, then `end_layer`.
+    expert, `dispatched`, `get` for each device expert in order, then `end_layer`.
     """
 
     @abstractmethod
@@ -64,6 +64,10 @@ class ExpertProvider(ABC):
     def get_down(self, layer: int, expert: int) -> torch.Tensor:
         """A split expert's down matrix on the device, once its transfer has landed."""
         raise NotImplementedError(f"{type(self).__name__} splits no expert")
+
+    def dispatched(self, layer: int, ctx: StepContext) -> None:  # noqa: B027 - optional hook
+        """Called once the layer's host work is handed over, before the device computes: the time for guesses
+        about later layers (prefetches), which must not delay the host's start."""
 
     def end_layer(self, layer: int, ctx: StepContext) -> None:  # noqa: B027 - optional hook
         """Called once the layer's experts are computed (unpin slots)."""

@@ -198,6 +198,7 @@ def _run_step(
         plan = provider.begin_layer(layer, list(tokens_of), ctx, list(tokens_of.values()))
         halves = [(e, provider.host_activation(layer, e, token_slice(tokens_of[e]))) for e in plan.split]
         on_host = [provider.host_forward(layer, e, token_slice(tokens_of[e])) for e in plan.host]
+        provider.dispatched(layer, ctx)
         for expert in plan.device:
             log.peak_slots = max(log.peak_slots, provider.cache.num_occupied)
             provider.get(layer, expert)  # stalls the clock until the expert has landed

@@ -103,6 +103,7 @@ def moe_forward(
     rows = lambda e: x.index_select(0, token_of_assignment[offsets[e] : offsets[e + 1]])  # noqa: E731
     split = [(e, provider.host_activation(layer, e, rows(e))) for e in plan.split]
     on_host = [(e, provider.host_forward(layer, e, rows(e))) for e in plan.host]
+    provider.dispatched(layer, ctx)  # prefetch planning after the host's start, not before it
     for expert in plan.device:
         w = provider.get(layer, expert)
         if native and native_expert(w):

@@ -78,10 +78,13 @@ class HybridExpertProvider(OffloadedExpertProvider):
         for expert, issuer, ready in owed:
             if expert in plan.device:  # computed on the device: the guess saved a miss (some of it, if late)
                 self.gate.credit(issuer, 1.0 if ready else 0.5)  # type: ignore[union-attr]
+        return plan
+
+    def dispatched(self, layer: int, ctx: StepContext) -> None:
+        super().dispatched(layer, ctx)
         self._asking = None  # the prefetchers asked in super() are done; the hot-set fill is nobody's guess
         if self._hot_missing and not ctx.is_prefill:
             self._fill_hot_set(layer, ctx)
-        return plan
 
     def _settle_guesses(self, layer: int, experts: list[int]) -> list[tuple[int, int, bool]]:
         """Debits each miss a prefetch's eviction caused (the victim's layer asked for it again on its next

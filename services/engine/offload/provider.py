@@ -97,11 +97,14 @@ class OffloadedExpertProvider(ExpertProvider):
         self._demanded.clear()
         if self.rules.early_demand:
             self._issue_pending()
+        self._track_peak()
+        return LayerPlan(hits + inflight + misses, host, split)
+
+    def dispatched(self, layer: int, ctx: StepContext) -> None:
         if self.prefetchers and (self.rules.prefetch_in_prefill or not ctx.is_prefill) and self._may_prefetch():
             for prefetcher in self.prefetchers:
                 self._issue_prefetches(self._plan(prefetcher, layer, ctx), ctx)
-        self._track_peak()
-        return LayerPlan(hits + inflight + misses, host, split)
+            self._track_peak()
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         self._finish_current()
