@@ -36,9 +36,12 @@ def expert_forward(x: torch.Tensor, w: ExpertWeights | QuantizedExpertWeights) -
 def native_expert(w: ExpertWeights | QuantizedExpertWeights) -> bool:
     """Whether cpu_kernels.expert_rows computes this expert: fp32 weights in torch's layout, contiguous
     (an expert cache slot's or the host store's views), widths in 16s; the activations are the caller's check."""
-    return (isinstance(w, ExpertWeights) and w.gate_up.dtype == torch.float32 and w.down.dtype == torch.float32
-            and w.gate_up.is_contiguous() and w.down.is_contiguous()
-            and cpu_kernels.widths_supported(*w.down.shape))
+    return isinstance(w, ExpertWeights) and _native_matrix(w.gate_up) and _native_matrix(w.down)
+
+
+def _native_matrix(weight: torch.Tensor) -> bool:
+    return (weight.dtype == torch.float32 and weight.is_contiguous()
+            and cpu_kernels.widths_supported(*weight.shape))
 
 
 # A split expert (offload/split_experts.py) runs the same two halves on two sides: the activation where
@@ -89,12 +92,18 @@ def moe_forward(
         outputs = torch.empty(len(order), x.shape[1], dtype=x.dtype, device=x.device)
         weight_of_assignment = weight_of_assignment[:, None]
 
+    def add(expert: int, rows_in: torch.Tensor, gate_up: torch.Tensor | None, down: torch.Tensor | None,
+            gather: torch.Tensor | None) -> None:
+        """Native: the expert's rows (rows_in's own, or x's through gather) through the halves given, into out."""
+        start = offsets[expert]
+        cpu_kernels.expert_rows(rows_in, gate_up, down, out, offsets[expert + 1] - start, start, gather,
+                                token_of_assignment, weight_of_assignment)
+
     def emit(expert: int, y: torch.Tensor) -> None:
-        start, end = offsets[expert], offsets[expert + 1]
         if native:
-            cpu_kernels.expert_rows(y, None, None, out, end - start, start, None, token_of_assignment,
-                                    weight_of_assignment)
+            add(expert, y, None, None, None)
         else:
+            start, end = offsets[expert], offsets[expert + 1]
             outputs[start:end] = y * weight_of_assignment[start:end]
 
     plan = provider.begin_layer(layer, active, ctx, [counts[e] for e in active])
@@ -107,17 +116,13 @@ def moe_forward(
     for expert in plan.device:
         w = provider.get(layer, expert)
         if native and native_expert(w):
-            start = offsets[expert]
-            cpu_kernels.expert_rows(x, w.gate_up, w.down, out, offsets[expert + 1] - start, start,
-                                    token_of_assignment, token_of_assignment, weight_of_assignment)
+            add(expert, x, w.gate_up, w.down, token_of_assignment)
         else:
             emit(expert, expert_forward(rows(expert), w))
     for expert, future in split:
         h, down = future.result(), provider.get_down(layer, expert)
-        if native and down.dtype == torch.float32 and down.is_contiguous():
-            start = offsets[expert]
-            cpu_kernels.expert_rows(h, None, down, out, offsets[expert + 1] - start, start, None,
-                                    token_of_assignment, weight_of_assignment)
+        if native and _native_matrix(down):
+            add(expert, h, None, down, None)
         else:
             emit(expert, expert_down(h, down, x.dtype))
     for expert, future in on_host:
