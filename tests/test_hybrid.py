@@ -354,27 +354,56 @@ def test_host_executor_leaves_the_compute_threads_as_they_were(monkeypatch) -> N
     assert calls == []
 
 
-@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="timer slack is Linux's")
-def test_emulated_sides_sleep_without_timer_slack() -> None:
-    """An emulated host job or link copy is held by a sleep, which Linux ends up to 50 us late by default."""
-    import ctypes
-    import threading
+def test_emulated_host_jobs_end_at_their_finish_on_one_virtual_clock() -> None:
+    """A job is ready when the emulated host would have finished it, queued behind the jobs before it, and
+    the thread gathering it gets it then, not a worker's wake-up later."""
+    import time
 
+    from services.engine.expert_provider import ExpertWeights
+    from services.engine.models.moe import expert_forward
     from services.engine.offload.host_executor import HostExecutor
-    from services.engine.offload.link import precise_sleeps
     from services.engine.offload.stats import OffloadStats
 
-    slack = lambda: ctypes.CDLL(None).prctl(30, 0, 0, 0, 0)  # noqa: E731  PR_GET_TIMERSLACK, in ns
-    executor = HostExecutor(1, OffloadStats(1))
+    executor = HostExecutor(2, OffloadStats(1), emulated_seconds=lambda tokens: 0.004)
+    weights = ExpertWeights(torch.randn(32, 16), torch.randn(16, 16))
+    x = torch.randn(3, 16)
     try:
-        assert executor._pool.submit(slack).result() == 1
+        start = time.perf_counter()
+        first, second = executor.submit(weights, x), executor.submit(weights, x, activation=True, share=0.5)
+        assert torch.allclose(first.result(), expert_forward(x, weights), atol=1e-5)
+        first_done = time.perf_counter()
+        second.result()
+        second_done = time.perf_counter()
     finally:
         executor.shutdown()
+    assert first.ready_at <= first_done < first.ready_at + 1e-3
+    assert second.ready_at == pytest.approx(first.ready_at + 0.002)  # queued behind the first, half its time
+    assert second.ready_at <= second_done < second.ready_at + 1e-3
+    assert 0.004 <= first.ready_at - start < 0.005
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="timer slack is Linux's")
+def test_emulated_holds_sleep_without_timer_slack() -> None:
+    """An emulated host job or transfer ends on the thread that waits for it, which sleeps most of the way:
+    Linux ends a sleep up to 50 us late by default, so that thread's slack becomes 1 ns."""
+    import ctypes
+    import threading
+    import time
+
+    from services.engine.offload.link import hold_until
+
+    prctl = ctypes.CDLL(None).prctl
     seen: list[int] = []
-    thread = threading.Thread(target=lambda: (precise_sleeps(), seen.append(slack())))
-    thread.start()
-    thread.join()
-    assert seen == [1] and slack() > 1  # per thread: the caller's own slack is untouched
+
+    def hold() -> None:
+        prctl(29, 50_000, 0, 0, 0)  # PR_SET_TIMERSLACK: Linux's default, whatever this thread inherited
+        hold_until(time.perf_counter() + 0.002)
+        seen.append(prctl(30, 0, 0, 0, 0))  # PR_GET_TIMERSLACK, in ns
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    holder.join()
+    assert seen == [1]
 
 
 def test_host_work_starts_before_the_layers_prefetch_planning(reference, monkeypatch) -> None:

@@ -91,10 +91,15 @@ def test_emulated_link_costs_wall_clock_time() -> None:
     src, dst = torch.ones(1024), torch.empty(1024)
     start = time.perf_counter()
     for _ in range(16):
+        link.wait_free()  # as the transfer worker does before each chunk
         link.copy(dst, src)
+    event = link.new_event()
+    link.complete(event)
+    assert not event.is_ready()  # copied, but the last chunk is still on the emulated link
+    event.wait()
     elapsed = time.perf_counter() - start
     assert 0.0160 <= elapsed < 0.2
-    assert torch.equal(dst, src)
+    assert event.is_ready() and torch.equal(dst, src)
 
 
 def test_emulated_link_times_a_transfer_from_its_issue() -> None:
@@ -103,11 +108,33 @@ def test_emulated_link_times_a_transfer_from_its_issue() -> None:
     link = EmulatedLink(1e6)  # 40 KB: 40 ms
     src, dst = torch.ones(10_000), torch.empty(10_000)
     start = time.perf_counter()
+    first, second = link.new_event(), link.new_event()
     link.copy(dst, src, issued_at=start - 0.03)  # issued 30 ms ago: 10 ms of it left
-    first = time.perf_counter() - start
+    link.complete(first)
+    link.wait_free()
     link.copy(dst, src, issued_at=start - 0.03)  # queued behind the first: its own whole 40 ms
-    second = time.perf_counter() - start - first
-    assert first < 0.025 and 0.035 <= second < 0.2
+    link.complete(second)
+    first.wait()
+    first_done = time.perf_counter() - start
+    second.wait()
+    second_done = time.perf_counter() - start
+    assert 0.009 <= first_done < 0.025 and 0.035 <= second_done - first_done < 0.2
+
+
+def test_a_waiter_returns_when_the_emulated_transfer_lands_not_when_a_thread_wakes() -> None:
+    """The waiting thread holds itself until the landing time: no worker wake-up adds to a transfer."""
+    link = EmulatedLink(1e6)  # 2 KB: 2 ms
+    src, dst = torch.ones(500), torch.empty(500)
+    late = []
+    for _ in range(20):
+        event = link.new_event()
+        link.wait_free()
+        link.copy(dst, src)
+        link.complete(event)
+        event.wait()
+        late.append(time.perf_counter() - event.ready_at)
+    late.sort()
+    assert 0.0 <= late[0] and late[10] < 50e-6  # the median: spun up to, not slept past
 
 
 def _ctx(step: int = 0) -> StepContext:

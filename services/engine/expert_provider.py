@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -23,6 +22,12 @@ class ExpertWeights:
     @property
     def nbytes(self) -> int:
         return self.gate_up.numel() * self.gate_up.element_size() + self.down.numel() * self.down.element_size()
+
+
+class HostResult(Protocol):
+    """A host computation's output, gathered by the MoE layer (a Future, or the host executor's HostJob)."""
+
+    def result(self) -> torch.Tensor: ...
 
 
 @dataclass
@@ -53,11 +58,11 @@ class ExpertProvider(ABC):
     @abstractmethod
     def get(self, layer: int, expert: int) -> ExpertWeights: ...
 
-    def host_forward(self, layer: int, expert: int, x: torch.Tensor) -> Future[torch.Tensor]:
+    def host_forward(self, layer: int, expert: int, x: torch.Tensor) -> HostResult:
         """Computes a host-placed expert on its tokens `x`; the result lands on x's device."""
         raise NotImplementedError(f"{type(self).__name__} computes every expert on the device")
 
-    def host_activation(self, layer: int, expert: int, x: torch.Tensor) -> Future[torch.Tensor]:
+    def host_activation(self, layer: int, expert: int, x: torch.Tensor) -> HostResult:
         """A split expert's gate/up half on the host: its activation [tokens, intermediate] on x's device."""
         raise NotImplementedError(f"{type(self).__name__} splits no expert")
 

@@ -6,9 +6,11 @@ the process's intra-op threads (torch's count is process-wide; the engine core s
 GIL inside its ops, so host jobs overlap the device's compute of cached experts.
 
 On a CPU-only machine the "device" and the host are the same cores, so the executor emulates the host the
-way `EmulatedLink` emulates the link: the math is real, then the job is held until the emulated host would
+way `EmulatedLink` emulates the link: the math is real, and the job is ready when the emulated host would
 have finished it, `host_ratio` times the measured device time for the same work, on one virtual clock
 (the host's memory bandwidth is one shared resource: a busy host queues work, whatever the thread count).
+The thread that gathers the job holds itself until then (link.hold_until), as it does for a transfer: a
+worker that slept until the finish and then handed the result over was 70-110 us late (measured).
 """
 
 from __future__ import annotations
@@ -22,8 +24,23 @@ import torch
 
 from services.engine.expert_provider import ExpertWeights
 from services.engine.models.moe import expert_activation, expert_forward
-from services.engine.offload.link import precise_sleeps
+from services.engine.offload.link import hold_until
 from services.engine.offload.stats import OffloadStats
+
+
+class HostJob:
+    """One host expert's output: there once its math is done and, emulated, its host time has passed."""
+
+    __slots__ = ("_future", "ready_at")
+
+    def __init__(self, future: Future[torch.Tensor], ready_at: float) -> None:
+        self._future = future
+        self.ready_at = ready_at  # perf_counter seconds; 0 on a real host
+
+    def result(self) -> torch.Tensor:
+        y = self._future.result()
+        hold_until(self.ready_at)
+        return y
 
 
 class HostExecutor:
@@ -37,40 +54,36 @@ class HostExecutor:
         self._emulated_seconds = emulated_seconds
         # No torch.set_num_threads in the workers: it is process-wide, and set from a worker it left the
         # compute thread's small parallel ops (decode attention's softmax) taking milliseconds each.
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="hintserve-host", initializer=precise_sleeps)
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="hintserve-host")
         self._lock = threading.Lock()
         self._busy_until = 0.0  # emulation: when the virtual host finishes its queued work
 
     def submit(
         self, weights: ExpertWeights, x: torch.Tensor, activation: bool = False, share: float = 1.0
-    ) -> Future[torch.Tensor]:
+    ) -> HostJob:
         """The expert's output on x's device; `activation`: only its gate/up half (a split expert), which
         takes `share` of the whole expert's time."""
         self.stats.host_experts += 1
         self.stats.host_tokens += x.shape[0]
         self.stats.host_split_experts += activation
-        finish = None
+        finish = 0.0
         if self._emulated_seconds is not None:
             seconds = share * self._emulated_seconds(x.shape[0])
             with self._lock:
                 start = max(time.perf_counter(), self._busy_until)
                 self._busy_until = finish = start + seconds
             self.stats.host_busy_seconds += seconds
-        return self._pool.submit(self._run, weights, x, finish, activation)
+        return HostJob(self._pool.submit(self._run, weights, x, finish == 0.0, activation), finish)
 
     def backlog_seconds(self) -> float:
         """Emulated work queued ahead of a job submitted now (0 on a real host: not tracked)."""
         return max(0.0, self._busy_until - time.perf_counter())
 
-    def _run(self, weights: ExpertWeights, x: torch.Tensor, finish: float | None, activation: bool) -> torch.Tensor:
+    def _run(self, weights: ExpertWeights, x: torch.Tensor, real: bool, activation: bool) -> torch.Tensor:
         start = time.perf_counter()
         y = expert_activation(x.to("cpu"), weights.gate_up) if activation else expert_forward(x.to("cpu"), weights)
-        if finish is None:
+        if real:
             self.stats.host_busy_seconds += time.perf_counter() - start
-        else:
-            delay = finish - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
         return y.to(x.device, non_blocking=x.device.type == "cuda")
 
     def shutdown(self) -> None:

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 
 import torch
 
-from services.engine.expert_provider import LayerPlan
+from services.engine.expert_provider import HostResult, LayerPlan
 from services.engine.offload.expert_cache import Slot
 from services.engine.offload.host_store import Key
 from services.engine.offload.link import EmulatedLink, ReadyEvent
@@ -143,12 +142,14 @@ class HybridExpertProvider(OffloadedExpertProvider):
         if not misses and not inflight:
             return misses, inflight, [], []
         unstarted, landing = [], {}
+        now = time.perf_counter()
         for e in inflight:
             transfer = self.cache.lookup((layer, e)).transfer  # type: ignore[union-attr]
             if transfer.next_chunk == 0:  # type: ignore[union-attr]
                 unstarted.append(e)
-            elif self.costs is not None:
-                landing[e] = self.costs.link * (1.0 - transfer.next_chunk / len(transfer.chunks))  # type: ignore
+            elif self.costs is not None:  # what is left of the chunk on the link, and the chunks after it
+                left = self.costs.link * (1.0 - transfer.next_chunk / len(transfer.chunks))  # type: ignore
+                landing[e] = max(0.0, transfer.copied_until - now) + left  # type: ignore[union-attr]
         self._tokens.clear()
         self._tokens.update(zip(experts, tokens or [1] * len(experts)))
         started = [e for e in inflight if e not in unstarted]
@@ -250,10 +251,10 @@ class HybridExpertProvider(OffloadedExpertProvider):
     def _may_prefetch(self) -> bool:
         return self.prefetch_depth <= 0 or self._link_room() > 0  # a full link: no guessing either
 
-    def host_forward(self, layer: int, expert: int, x: torch.Tensor) -> Future[torch.Tensor]:
+    def host_forward(self, layer: int, expert: int, x: torch.Tensor) -> HostResult:
         return self.executor.submit(self.store.weights((layer, expert)), x)
 
-    def host_activation(self, layer: int, expert: int, x: torch.Tensor) -> Future[torch.Tensor]:
+    def host_activation(self, layer: int, expert: int, x: torch.Tensor) -> HostResult:
         share = self.split_prices.host  # type: ignore[union-attr]
         return self.executor.submit(self.store.weights((layer, expert)), x, activation=True, share=share)
 

@@ -1,10 +1,12 @@
 """The host-to-device link: copies one chunk at a time and signals readiness to the compute side.
 
-CPU-only machines use `EmulatedLink`: the copy runs on the transfer worker thread and then the thread waits
-until the chunk would have finished at the configured bandwidth, so transfers cost real wall-clock time and
-overlap with compute exactly as a copy engine does on a GPU. The link keeps a virtual clock (`busy_until`) so
-many small chunks add up to the right total despite sleep granularity, and a transfer's time starts when it
-was issued (as the host executor's jobs do), not when the worker thread woke up to it.
+CPU-only machines use `EmulatedLink`: the copy runs on the transfer worker thread, and the transfer is ready
+when it would have finished at the configured bandwidth, so transfers cost real wall-clock time and overlap
+with compute exactly as a copy engine does on a GPU. The link keeps a virtual clock (`busy_until`) so many
+small chunks add up to the right total despite sleep granularity, and a transfer's time starts when it was
+issued (as the host executor's jobs do), not when the worker thread woke up to it. The thread that waits on
+a transfer holds itself until the landing time (`hold_until`): a worker that slept until then and woke the
+waiter arrived 70-110 us late here (measured), time a copy engine's event does not take.
 """
 
 from __future__ import annotations
@@ -35,29 +37,44 @@ class ReadyEvent(ABC):
 
 
 class ThreadEvent(ReadyEvent):
+    """Set by the transfer worker once the data is copied; ready from `ready_at` on (an emulated link's
+    landing time; 0: as soon as it is set)."""
+
     def __init__(self) -> None:
         self._event = threading.Event()
+        self.ready_at = 0.0
 
-    def set(self) -> None:
+    def set(self, ready_at: float = 0.0) -> None:
+        self.ready_at = ready_at
         self._event.set()
 
     def is_ready(self) -> bool:
-        return self._event.is_set()
+        return self._event.is_set() and time.perf_counter() >= self.ready_at
 
     def wait(self) -> None:
         self._event.wait()
+        hold_until(self.ready_at)
 
     def synchronize(self) -> None:
-        self._event.wait()
+        self.wait()
 
 
 class Link(ABC):
     name: str
 
+    def wait_free(self) -> None:  # noqa: B027 - a real copy engine queues; nothing to wait for
+        """Blocks the transfer worker until the link can start another chunk (an emulated link is busy until
+        its last chunk would have landed), so the worker picks the next chunk when a copy engine would."""
+
     @abstractmethod
     def copy(self, dst: torch.Tensor, src: torch.Tensor, *, issued_at: float = 0.0) -> None:
         """Copies one chunk (called on the transfer worker thread only); `issued_at`: when its transfer was
         handed to the link (perf_counter seconds)."""
+
+    @property
+    def busy_until(self) -> float:
+        """When the last chunk copied lands (perf_counter seconds), where the link knows; 0: unknown."""
+        return 0.0
 
     @abstractmethod
     def new_event(self) -> ReadyEvent: ...
@@ -78,6 +95,11 @@ class EmulatedLink(Link):
         self.bytes_per_second = bytes_per_second
         self._busy_until = 0.0
 
+    def wait_free(self) -> None:
+        delay = self._busy_until - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+
     def copy(self, dst: torch.Tensor, src: torch.Tensor, *, issued_at: float = 0.0) -> None:
         # A copy engine takes a transfer up when it is issued, or when its previous copy ends: the worker
         # thread's own wake-up (~70 us here) and its turn between chunks are not the link's time. (`issued_at`
@@ -85,15 +107,17 @@ class EmulatedLink(Link):
         start = max(issued_at or time.perf_counter(), self._busy_until)
         self._busy_until = start + src.numel() * src.element_size() / self.bytes_per_second
         dst.copy_(src)
-        delay = self._busy_until - time.perf_counter()
-        if delay > 0:
-            time.sleep(delay)
+
+    @property
+    def busy_until(self) -> float:
+        """When the last chunk copied lands (perf_counter seconds)."""
+        return self._busy_until
 
     def new_event(self) -> ReadyEvent:
         return ThreadEvent()
 
     def complete(self, event: ReadyEvent) -> None:
-        event.set()  # type: ignore[attr-defined]
+        event.set(ready_at=self._busy_until)  # type: ignore[attr-defined]
 
 
 _PR_SET_TIMERSLACK = 29
@@ -105,6 +129,25 @@ def precise_sleeps() -> None:
     sleeping, and the overshoot would add to every price. Per thread; a no-op off Linux."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(_PR_SET_TIMERSLACK, 1, 0, 0, 0)
+
+
+_SPIN_SECONDS = 1e-4  # a precise sleep overshoots by 35 us (median) to 95 us (worst of hundreds) here
+_precise = threading.local()
+
+
+def hold_until(deadline: float) -> None:
+    """Returns at `deadline` (perf_counter seconds), not later: sleeps until just before it, then spins. How
+    an emulated job (a link transfer, a host expert) ends on the thread that waits for it."""
+    remaining = deadline - time.perf_counter()
+    if remaining <= 0:
+        return
+    if remaining > _SPIN_SECONDS:
+        if not getattr(_precise, "set", False):
+            precise_sleeps()
+            _precise.set = True
+        time.sleep(remaining - _SPIN_SECONDS)
+    while time.perf_counter() < deadline:
+        pass
 
 
 # Weights an expert timing cycles through: more than a last-level cache holds, so each expert streams from

@@ -43,6 +43,7 @@ class Transfer:
     chunk_offset: int = 0  # the layout's index of the first chunk moved (a split expert moves down only)
     nbytes: int = field(default=0)
     issued_at: float = 0.0  # perf_counter seconds when submitted
+    copied_until: float = 0.0  # when its chunks copied so far land (an emulated link's clock; 0: unknown)
 
 
 class TransferEngine:
@@ -101,6 +102,7 @@ class TransferEngine:
     def _run(self) -> None:
         precise_sleeps()  # an emulated link holds each copy by sleeping
         while True:
+            self.link.wait_free()
             with self._cond:
                 transfer = self._pop()
                 while transfer is None:
@@ -122,6 +124,7 @@ class TransferEngine:
                 self.stats.bytes_prefetch += nbytes
             with self._cond:
                 transfer.next_chunk += 1
+                transfer.copied_until = self.link.busy_until
                 if transfer.next_chunk < len(transfer.chunks):
                     transfer.state = TransferState.QUEUED
                     self._push(transfer)  # give a newly arrived demand its turn between chunks
