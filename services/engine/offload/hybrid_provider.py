@@ -87,15 +87,19 @@ class HybridExpertProvider(OffloadedExpertProvider):
 
     def _settle_guesses(self, layer: int, experts: list[int]) -> list[tuple[int, int, bool]]:
         """Debits each miss a prefetch's eviction caused (the victim's layer asked for it again on its next
-        visit: a hit had it stayed); returns the guesses this layer uses (expert, prefetcher, landed),
-        credited once placement shows where they run."""
+        visit: a hit had it stayed) or the prefetches' reserve caused (the whole budget's hot set holds it);
+        returns the guesses this layer uses (expert, prefetcher, landed), credited once placement shows
+        where they run."""
         ghosts = self._ghosts.pop(layer, {})
+        reserved = getattr(self.cache.eviction, "reserved", ())
         owed = []
         for expert in experts:
             slot = self.cache.lookup((layer, expert))
             if slot is None:
                 if expert in ghosts:
                     self.gate.credit(ghosts[expert], -1.0)  # type: ignore[union-attr]
+                elif (layer, expert) in reserved:
+                    self.gate.charge_reserve(1.0)  # type: ignore[union-attr]
             elif slot.prefetched and self._issuer.get(slot.index) is not None:
                 owed.append((expert, self._issuer[slot.index], slot.ready))
         return owed

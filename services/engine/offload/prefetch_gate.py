@@ -10,10 +10,12 @@ are alike, and guessing slows decode.
 The gate keeps, per prefetcher, averages of that cost and of the time its guesses are expected to save:
 new guesses the link can take x the prefetcher's measured precision x the saving per hit x how much of
 that its guesses have really saved. That last factor is measured by the provider, which `credit`s each
-guess that the device then computed (ready in time) and debits each miss on an expert a guess evicted:
-a precise guess into a full cache can still displace as many hits as it brings. The gate skips the
-prefetcher while the cost is higher, and asks it again every `probe_every` layers so the averages follow
-the traffic.
+guess that the device then computed (ready in time) and debits each miss on an expert a guess evicted, or
+one the hot set would have held but for the slots kept free for guesses: a precise guess into a full
+cache can still displace as many hits as it brings. The gate skips the prefetcher while the cost is
+higher, and asks it again after `probe_every` layers so the averages follow the traffic, twice as long
+after each probe that finds it still losing (up to 16x): a probe is a full plan and its copies (about
+1 ms on the demo model at batch 1), and a prefetcher that loses keeps losing while the traffic holds.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from services.engine.step_context import StepContext
 
 _WEIGHT = 0.1  # of the newest sample in the averages
 _EVIDENCE = 4.0  # expected hits (decayed) before the realised share replaces the prior of 1
+_MAX_BACKOFF = 16  # probes of a losing prefetcher back off to this many times probe_every
 
 
 class PrefetchGate:
@@ -42,6 +45,7 @@ class PrefetchGate:
         self.expected: dict[int, float] = {}  # id(prefetcher) -> hits its guesses promised (decayed sum)
         self.realised: dict[int, float] = {}  # id(prefetcher) -> hits they brought, less those displaced
         self._skipped: dict[int, int] = {}
+        self._interval: dict[int, int] = {}  # layers skipped before the next probe
         self.skipped_total = 0
 
     def plan(
@@ -49,10 +53,15 @@ class PrefetchGate:
         room: int,
     ) -> list[PrefetchRequest]:
         key = id(prefetcher)
-        if self.cost.get(key, 0.0) > self.value.get(key, float("inf")) and self._skipped.get(key, 0) < self.probe_every:
+        losing = self.cost.get(key, 0.0) > self.value.get(key, float("inf"))
+        if losing and self._skipped.get(key, 0) < self._interval.get(key, self.probe_every):
             self._skipped[key] = self._skipped.get(key, 0) + 1
             self.skipped_total += 1
             return []
+        if losing and key in self._skipped:  # a probe: each that finds it still losing waits twice as long
+            self._interval[key] = min(_MAX_BACKOFF * self.probe_every, 2 * self._interval.get(key, self.probe_every))
+        else:
+            self._interval[key] = self.probe_every
         self._skipped[key] = 0
         start = self.clock()
         requests = prefetcher.plan(layer, ctx)
@@ -68,6 +77,13 @@ class PrefetchGate:
     def asking(self) -> bool:
         """Whether some prefetcher is being asked (its guesses pay), as of its last plan."""
         return any(cost <= self.value[key] for key, cost in self.cost.items()) or not self.cost
+
+    def charge_reserve(self, hits: float) -> None:
+        """Debits the prefetchers being asked for `hits` the hot set lost to the slots kept free for their
+        guesses (a miss on an expert the whole budget would hold), shared among them."""
+        keys = [key for key, cost in self.cost.items() if cost <= self.value[key]]
+        for key in keys:
+            self.credit(key, -hits / len(keys))
 
     def credit(self, prefetcher_key: int, hits: float) -> None:
         """`hits` (negative: hits lost) a prefetcher's earlier guesses turned out to be worth."""

@@ -31,6 +31,7 @@ class HotSetEviction(EvictionPolicy):
         self.unit = 1.0  # what one use adds now; grows by `growth` per step (decay without touching counts)
         self.counts: dict[Key, float] = {}
         self.hot: set[Key] = set()
+        self.reserved: set[Key] = set()  # experts the whole budget would hold that the reserve keeps out
 
     def reserve(self, slots: int) -> None:
         """Keeps `slots` outside the hot set from the next step on (what the prefetches and fetches use)."""
@@ -44,7 +45,9 @@ class HotSetEviction(EvictionPolicy):
         if self.unit > _RESCALE:
             self.counts = {k: v / self.unit for k, v in self.counts.items()}
             self.unit = 1.0
-        self.hot = self._with_hysteresis(heapq.nlargest(self.hot_size, self.counts, key=self.counts.__getitem__))
+        top = heapq.nlargest(self.slots, self.counts, key=self.counts.__getitem__)
+        self.hot = self._with_hysteresis(top[: self.hot_size])
+        self.reserved = set(top[self.hot_size :]) - self.hot
 
     def _with_hysteresis(self, top: list[Key]) -> set[Key]:
         """`top`, except that a member stays until a newcomer is used `_MARGIN` times more: experts near the
