@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 
 from services.engine.offload.eviction import EVICTION_POLICIES
@@ -250,3 +251,22 @@ def test_guess_tracker_measures_precision_and_mean_probability() -> None:
     assert tracker.precision == 2 / 3 and abs(tracker.mean_probability - 0.6) < 1e-9
     tracker.step_end(_decode_step(["a"], {0: [[1, 0]]}))  # nothing guessed this step: unchanged
     assert tracker.precision == 2 / 3
+
+
+def test_a_transfer_records_when_its_copied_chunks_land() -> None:
+    """The placement weighs what is left of an expert on the link: the emulated clock's landing time of the
+    chunks copied so far, which a chunk's copy sets at the start of its window."""
+    link = EmulatedLink(1e6)  # 4 KB chunks: 4 ms each
+    engine = TransferEngine(link, OffloadStats(1))
+    try:
+        srcs = [torch.ones(1000), torch.ones(1000)]
+        transfer = Transfer((0, 0), [(torch.empty(1000), s) for s in srcs], link.new_event(), True, 1.0, (0, 0))
+        engine.submit(transfer)
+        transfer.event.wait()
+        done = time.perf_counter()
+        assert transfer.next_chunk == 2
+        assert transfer.copied_until == transfer.event.ready_at  # type: ignore[attr-defined]
+        assert transfer.copied_until - transfer.issued_at == pytest.approx(0.008)  # two chunks back to back
+        assert done >= transfer.copied_until
+    finally:
+        engine.shutdown()
