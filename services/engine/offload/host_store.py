@@ -43,6 +43,7 @@ class HostExpertStore:
         self.layout = layout or ExpertLayout(spec.hidden_size, spec.moe_intermediate_size, reader.dtype)
         self.dtype = self.layout.dtype
         self.buffers: dict[Key, torch.Tensor] = {}
+        self._views: dict[Key, object] = {}
         layers = [layer for layer in range(spec.num_layers) if spec.moe_layers[layer]]
         for layer in tqdm(layers, desc="host expert store", unit="layer", leave=False):
             load = expert_loader(reader, spec, layer)
@@ -61,4 +62,7 @@ class HostExpertStore:
         return self.expert_bytes * len(self.buffers)
 
     def weights(self, key: Key):  # ExpertWeights, or QuantizedExpertWeights for a packed layout
-        return self.layout.views(self.buffers[key])
+        views = self._views.get(key)
+        if views is None:  # built once: a host expert's views are asked for on every miss
+            views = self._views[key] = self.layout.views(self.buffers[key])
+        return views

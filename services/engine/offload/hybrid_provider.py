@@ -170,8 +170,6 @@ class HybridExpertProvider(OffloadedExpertProvider):
                 self._drop_unstarted((layer, expert))
             elif expert in started:
                 self._unpin((layer, expert))  # lands for later use; this layer's fetches may need its slot
-        for expert in split:
-            self._fetch_down((layer, expert))
         return [e for e in fetch if e in misses], waiting, host, split
 
     def _fetch_down(self, key: Key) -> None:
@@ -259,8 +257,16 @@ class HybridExpertProvider(OffloadedExpertProvider):
         return self.executor.submit(self.store.weights((layer, expert)), x)
 
     def host_activation(self, layer: int, expert: int, x: torch.Tensor) -> HostResult:
-        share = self.split_prices.host  # type: ignore[union-attr]
-        return self.executor.submit(self.store.weights((layer, expert)), x, activation=True, share=share)
+        # The longer half starts first: each side's clock runs from its submit, and the other's submit
+        # takes tens of microseconds here.
+        part, costs = self.split_prices, self.costs
+        host_first = part.host * costs.host(x.shape[0]) >= part.link * costs.link  # type: ignore[union-attr]
+        if not host_first:
+            self._fetch_down((layer, expert))
+        job = self.executor.submit(self.store.weights((layer, expert)), x, activation=True, share=part.host)  # type: ignore[union-attr]
+        if host_first:
+            self._fetch_down((layer, expert))
+        return job
 
     def get_down(self, layer: int, expert: int) -> torch.Tensor:
         index, transfer = self._split[expert]
