@@ -467,3 +467,40 @@ def test_host_work_starts_before_the_layers_prefetch_planning(reference, monkeyp
                 assert visit.pop()[1] == "host", calls[max(0, i - 6) : i + 1]
             layers_with_both += any(c == (layer, "plan") for c in calls[i + 1 : i + 4])
     assert layers_with_both > 0
+
+
+@pytest.mark.parametrize("host_ratio", [20.0, 12.0])
+def test_a_split_experts_longer_half_starts_first(reference, monkeypatch, host_ratio: float) -> None:
+    """Each side's clock runs from its own submit, so the longer half of a split is handed over first: at
+    20x the host's gate/up, at 12x against a 30x link the down matrix's transfer (for a token or two; the
+    host's share grows with the tokens, the link's does not)."""
+    from services.engine.offload.host_executor import HostExecutor
+    from services.engine.offload.transfer_engine import TransferEngine
+
+    order: list[tuple[str, int]] = []
+    submit_job, submit_transfer = HostExecutor.submit, TransferEngine.submit
+
+    def job(self, weights, x, activation=False, share=1.0):
+        if activation:
+            order.append(("host", x.shape[0]))
+        return submit_job(self, weights, x, activation, share)
+
+    def transfer(self, t):
+        if t.chunk_offset == 1:  # a split expert's down matrix
+            order.append(("down", 0))
+        return submit_transfer(self, t)
+
+    monkeypatch.setattr(HostExecutor, "submit", job)
+    monkeypatch.setattr(TransferEngine, "submit", transfer)
+    tokens, expected, provider, _ = _run(reference, "hintserve", expert_cache_fraction=0.25, link_ratio=30.0,
+                                         host_ratio=host_ratio)
+    assert tokens == expected
+    assert provider.stats.host_split_experts > 0
+    part, costs = provider.split_prices, provider.costs
+    firsts = set()
+    for pair in (order[i : i + 2] for i in range(0, len(order), 2)):
+        (kind, _), n = pair[0], max(n for _, n in pair)
+        assert {k for k, _ in pair} == {"host", "down"}
+        assert kind == ("host" if part.host * costs.host(n) >= part.link * costs.link else "down")
+        firsts.add(kind)
+    assert firsts == ({"host"} if host_ratio == 20.0 else {"host", "down"})
