@@ -257,6 +257,34 @@ def test_split_staging_fills_the_slots_it_costs() -> None:
     assert staging_buffers(2, None) == 0
 
 
+def test_no_staging_where_no_decode_miss_would_split() -> None:
+    """The staging costs a cache slot: the placement must split some decode step's miss. At a 30x link (this
+    machine's unit, 15.6x host) a one-token miss splits; at 100x the down matrix alone outlasts two whole
+    experts on the host, so batch 1 (two misses a layer at most) never splits, while batch 4 piles enough on
+    the host that its third miss does."""
+    from services.engine.offload.split_experts import split_pays, split_prices
+
+    third = split_prices((200, 100), dense=True)
+    unit, per_token = 52e-6, 5.7e-6
+    costs = lambda link: PlacementCosts(unit, per_token, 15.6 * unit, 15.6 * per_token, link * unit)  # noqa: E731
+    assert split_pays(third, costs(30), max_tokens=1, top_k=2, num_experts=8)
+    assert not split_pays(third, costs(100), max_tokens=1, top_k=2, num_experts=8)
+    assert split_pays(third, costs(100), max_tokens=4, top_k=2, num_experts=8)
+    assert not split_pays(None, costs(30), max_tokens=16, top_k=2, num_experts=8)  # a packed expert never splits
+
+
+def test_hintserve_at_a_slow_link_keeps_its_whole_budget_for_experts(reference) -> None:
+    # Batch 1 (max_num_seqs 1) at ratio 100: no split would pay, so no slot goes to staging.
+    tokens, expected, provider, _ = _run(reference, "hintserve", expert_cache_fraction=0.25, link_ratio=100.0,
+                                         max_num_seqs=1)
+    assert tokens == expected
+    assert provider.staging is None and provider.stats.host_split_experts == 0
+    fast_tokens, _, fast, _ = _run(reference, "hintserve", expert_cache_fraction=0.25, link_ratio=30.0,
+                                   max_num_seqs=1)
+    assert fast_tokens == expected
+    assert fast.staging is not None and len(provider.cache.slots) == len(fast.cache.slots) + 1
+
+
 @pytest.mark.parametrize("budget", [2, 3])
 def test_hintserve_on_a_cache_its_layer_pins_whole_keeps_tokens(reference, budget: int) -> None:
     # The staging takes its share of the smallest budgets (top-k slots) first.

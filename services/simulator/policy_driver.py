@@ -26,7 +26,7 @@ from services.engine.offload.provider import OffloadedExpertProvider
 from services.engine.offload.routing_trace import RoutingTrace
 from services.engine.offload.settings import OffloadSettings
 from services.engine.offload.setup import make_eviction, make_prefetchers
-from services.engine.offload.split_experts import split_prices, staging_buffers
+from services.engine.offload.split_experts import split_pays, split_prices, staging_buffers
 from services.engine.offload.stats import OffloadStats
 from services.engine.step_context import StepContext
 from services.simulator.hardware import CostModel
@@ -138,6 +138,10 @@ def build_offload(
     )
     pinned = pinned_experts(policy, spec, slots, RoutingTrace.load(trace_path) if policy.needs_trace else None)
     split = split_prices(spec.expert_chunk_bytes, dense=spec.expert_precision.bits >= 16)
+    if is_hybrid(policy) and cost is not None and not split_pays(
+        split, placement_costs(cost, spec.expert_bytes), workload.batch, spec.top_k, spec.num_experts
+    ):
+        split = None  # as the engine: no slot for staging where no decode step's miss would split
     staging = staging_buffers(spec.top_k, split)
     if is_hybrid(policy):
         budget = 0 if policy.pinned == "nothing" else slots

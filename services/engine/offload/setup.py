@@ -32,7 +32,7 @@ from services.engine.offload.prefetch.hints import HintPrefetcher, HintStats
 from services.engine.offload.provider import OffloadedExpertProvider
 from services.engine.offload.routing_trace import RoutingTrace
 from services.engine.offload.settings import OffloadSettings
-from services.engine.offload.split_experts import layout_split_prices, staging_buffers
+from services.engine.offload.split_experts import layout_split_prices, split_pays, staging_buffers
 from services.engine.offload.stats import OffloadStats
 from services.engine.offload.transfer_engine import TransferEngine
 from services.engine.quant.layout import config_expert_layout
@@ -122,15 +122,22 @@ def build_expert_provider(
     store = HostExpertStore(reader, spec, pin=cuda, layout=layout)
     pinned = pinned_experts(settings.policy, spec, settings.slots,
                             _trace(settings, settings.policy.name) if settings.policy.needs_trace else None)
-    split = layout_split_prices(store.layout)
-    staging = staging_buffers(spec.top_k, split)
+    link = make_link(settings, spec, reader.dtype)
+    split, staging, costs = None, 0, None
     if is_hybrid(settings.policy):
+        costs = measure_costs(spec.hidden_size, spec.moe_intermediate_size, reader.dtype, settings.device, link,
+                              store.expert_bytes, settings.host_ratio)
+        log.info("placement costs (ms): device %.3f, host %.3f, link %.3f per expert and token",
+                 costs.device(1) * 1e3, costs.host(1) * 1e3, costs.link * 1e3)
+        split = layout_split_prices(store.layout)
+        if not split_pays(split, costs, config.max_num_seqs, spec.top_k, spec.num_experts):
+            split = None
+        staging = staging_buffers(spec.top_k, split)
         settings = replace(settings, slots=hybrid_slots(settings.policy, settings.slots, pinned, split, staging))
     slots = settings.slots
     eviction = make_eviction(settings, spec)
     stats_type = HintStats if "hints" in settings.policy.prefetchers else OffloadStats
     stats = stats_type(spec.num_layers, slots_total=slots, expert_bytes=store.expert_bytes)
-    link = make_link(settings, spec, reader.dtype)
     cache = ExpertCache(slots, store.layout, store.dtype, settings.device, eviction)
     fence = None
     if settings.link == "native":
@@ -139,13 +146,9 @@ def build_expert_provider(
         fence = CudaLink.compute_fence
     parts = (store, cache, TransferEngine(link, stats), make_prefetchers(settings, spec, weights, stats),
              settings.policy.rules, stats)
-    if not is_hybrid(settings.policy):
+    if costs is None:
         return OffloadedExpertProvider(*parts, stream_slots=spec.top_k, fence=fence)
-    costs = measure_costs(spec.hidden_size, spec.moe_intermediate_size, reader.dtype, settings.device, link,
-                          store.expert_bytes, settings.host_ratio)
     emulated = (lambda n: costs.host(n)) if not cuda else None
-    log.info("placement costs (ms): device %.3f, host %.3f, link %.3f per expert and token",
-             costs.device(1) * 1e3, costs.host(1) * 1e3, costs.link * 1e3)
     return HybridExpertProvider(
         *parts, stream_slots=spec.top_k, fence=fence, pinned=pinned, prefetch_floor=settings.policy.prefetch_floor,
         prefetch_depth=settings.policy.prefetch_depth, split_staging=staging,

@@ -14,8 +14,10 @@ import math
 
 import torch
 
+from services.engine.offload.cost_model import PlacementCosts
 from services.engine.offload.host_store import ExpertLayout
-from services.engine.offload.placement import SplitPrices
+from services.engine.offload.placement import CostPlacement, SplitPrices
+from services.engine.step_context import Phase, StepContext
 
 
 def split_prices(chunk_bytes: tuple[int, ...], dense: bool) -> SplitPrices | None:
@@ -24,6 +26,29 @@ def split_prices(chunk_bytes: tuple[int, ...], dense: bool) -> SplitPrices | Non
         return None
     gate_up, down = chunk_bytes
     return SplitPrices(host=gate_up / (gate_up + down), link=down / (gate_up + down), device=down / (gate_up + down))
+
+
+def split_pays(
+    split: SplitPrices | None, costs: PlacementCosts, max_tokens: int, top_k: int, num_experts: int
+) -> bool:
+    """Whether the cost placement would ever split a decode step's miss: a layer missing 1 to top_k x
+    `max_tokens` of its experts (at most all of them), 1 or `max_tokens` tokens each (one a sequence), both
+    sides idle as the layer starts. Where it would not (a slow link and few misses a layer: at ratio 100
+    and batch 1 the down matrix alone takes 1.7 ms here, two whole experts on the host 1.6), the staging's
+    cache slot is worth more holding an expert: 4.15 against 3.82 ms a token with the slot back. A busy
+    host makes splits pay at a fast one (a quad-channel Mixtral host: the second miss of a token splits).
+    Prefill is not counted: one step a request, against every decode step's slot."""
+    if split is None:
+        return False
+    placement = CostPlacement(costs, stream_prefill=False, split=split)
+    decode = StepContext(Phase.DECODE, [], 0)
+    for misses in range(1, min(top_k * max_tokens, num_experts) + 1):
+        for tokens in {1, max_tokens}:
+            placed = placement.place(list(range(misses)), dict.fromkeys(range(misses), tokens), decode, 0.0,
+                                     split_room=misses)
+            if placed.split:
+                return True
+    return False
 
 
 def staging_buffers(top_k: int, split: SplitPrices | None) -> int:
