@@ -235,6 +235,20 @@ def test_the_emulation_unit_times_the_engines_expert_path_from_memory(monkeypatc
     assert sum(seen.values()) >= link.COLD_BYTES
 
 
+def test_the_link_and_the_host_share_one_measured_unit(monkeypatch) -> None:
+    """The emulated link asks for the unit without a token count, the cost model with tokens=1: one
+    measurement, or the two would be timed apart and the ratios between link and host drift (a busy moment
+    under one of them moved a slow link's split decision in CI)."""
+    from services.engine.offload import link
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(link, "expert_compute_seconds", lambda *args, **kw: calls.append(args) or 1e-4)
+    shape = (16, 48, torch.float32)  # a shape no other test measures: the cache starts empty for it
+    assert link.emulation_unit(*shape) == link.emulation_unit(*shape, 1) == 1e-4
+    link.emulation_unit(*shape, 16)
+    assert len(calls) == 2  # one token, sixteen tokens
+
+
 @pytest.mark.parametrize("rows", [1, 7, 8, 9, 16])
 def test_linear_matches_torch_with_and_without_bias(rows: int) -> None:
     g = torch.Generator().manual_seed(rows)

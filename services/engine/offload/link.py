@@ -157,12 +157,16 @@ def hold_until(deadline: float) -> None:
 COLD_BYTES = 128 * 2**20
 
 
-@functools.cache
 def emulation_unit(hidden: int, intermediate: int, dtype: torch.dtype, tokens: int = 1) -> float:
     """The unit --link-ratio and --host-ratio multiply: one expert's time on `tokens` tokens on the device
     path here, weights streamed from memory, the best of five medians (a busy moment must not inflate it),
     measured once per process, so that every engine of a process emulates the same link and host (a
     benchmark's policies, side by side)."""
+    return _measured_unit(hidden, intermediate, dtype, tokens)
+
+
+@functools.cache  # keyed on all four arguments as given: the link's call and the host's share one entry
+def _measured_unit(hidden: int, intermediate: int, dtype: torch.dtype, tokens: int) -> float:
     return expert_compute_seconds(hidden, intermediate, dtype, 50, tokens, rounds=5)
 
 
