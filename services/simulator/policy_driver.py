@@ -19,14 +19,20 @@ from services.common.messages import Shape
 from services.engine.offload.expert_cache import ExpertCache
 from services.engine.offload.host_store import ExpertLayout
 from services.engine.offload.hybrid_provider import HybridExpertProvider
-from services.engine.offload.hybrid_setup import hybrid_slots, is_hybrid, make_placement, pinned_experts
+from services.engine.offload.hybrid_setup import (
+    hybrid_slots,
+    is_hybrid,
+    make_placement,
+    pinned_experts,
+    planned_split,
+)
 from services.engine.offload.policies import OffloadPolicy
 from services.engine.offload.prefetch.hints import HintPrefetcher, HintStats
 from services.engine.offload.provider import OffloadedExpertProvider
 from services.engine.offload.routing_trace import RoutingTrace
 from services.engine.offload.settings import OffloadSettings
 from services.engine.offload.setup import make_eviction, make_prefetchers
-from services.engine.offload.split_experts import split_pays, split_prices, staging_buffers
+from services.engine.offload.split_experts import split_prices, staging_buffers
 from services.engine.offload.stats import OffloadStats
 from services.engine.step_context import StepContext
 from services.simulator.hardware import CostModel
@@ -138,10 +144,10 @@ def build_offload(
     )
     pinned = pinned_experts(policy, spec, slots, RoutingTrace.load(trace_path) if policy.needs_trace else None)
     split = split_prices(spec.expert_chunk_bytes, dense=spec.expert_precision.bits >= 16)
-    if is_hybrid(policy) and cost is not None and not split_pays(
-        split, placement_costs(cost, spec.expert_bytes), workload.batch, spec.top_k, spec.num_experts
-    ):
-        split = None  # as the engine: no slot for staging where no decode step's miss would split
+    prices = None
+    if is_hybrid(policy) and cost is not None:
+        prices = placement_costs(cost, spec.expert_bytes)
+        split = planned_split(policy, split, prices, workload.batch, spec)  # as the engine plans it
     staging = staging_buffers(spec.top_k, split)
     if is_hybrid(policy):
         budget = 0 if policy.pinned == "nothing" else slots
@@ -164,7 +170,7 @@ def build_offload(
         provider = HybridExpertProvider(
             *parts, stream_slots=spec.top_k, executor=host, pinned=pinned, prefetch_floor=policy.prefetch_floor,
             prefetch_depth=policy.prefetch_depth, split_staging=staging,
-            placement=make_placement(policy, placement_costs(cost, spec.expert_bytes), split),
+            placement=make_placement(policy, prices, split),
             clock=lambda: clock.now,  # planning is not priced: the gate sees it free, run after run alike
         )
     hint_link = None

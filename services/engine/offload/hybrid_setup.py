@@ -8,7 +8,7 @@ from services.engine.offload.host_store import Key
 from services.engine.offload.placement import CostPlacement, HostPlacement, Placement, SplitPrices
 from services.engine.offload.policies import OffloadPolicy
 from services.engine.offload.routing_trace import RoutingTrace
-from services.engine.offload.split_experts import staging_slots
+from services.engine.offload.split_experts import split_pays, staging_slots
 
 
 def is_hybrid(policy: OffloadPolicy) -> bool:
@@ -34,6 +34,17 @@ def pinned_experts(policy: OffloadPolicy, spec, slots: int, trace: RoutingTrace 
         size = slots - (spec.top_k if policy.placement == "cost" else 0)
         return sorted(trace.hot_set(size))
     raise ValueError(f"unknown pinned set {policy.pinned!r}")
+
+
+def planned_split(
+    policy: OffloadPolicy, split: SplitPrices | None, costs: PlacementCosts, max_tokens: int, spec
+) -> SplitPrices | None:
+    """The split prices a policy places with: None where it does not split, or where its placement never
+    would in a decode step of up to `max_tokens` sequences (split_experts.split_pays), so no staging takes a
+    slot of its budget. `spec`: the engine's ModelSpec or a simulator spec."""
+    if not policy.split_experts or not split_pays(split, costs, max_tokens, spec.top_k, spec.num_experts):
+        return None
+    return split
 
 
 def hybrid_slots(

@@ -19,7 +19,13 @@ from services.engine.offload.expert_cache import ExpertCache
 from services.engine.offload.host_executor import HostExecutor
 from services.engine.offload.host_store import HostExpertStore
 from services.engine.offload.hybrid_provider import HybridExpertProvider
-from services.engine.offload.hybrid_setup import hybrid_slots, is_hybrid, make_placement, pinned_experts
+from services.engine.offload.hybrid_setup import (
+    hybrid_slots,
+    is_hybrid,
+    make_placement,
+    pinned_experts,
+    planned_split,
+)
 from services.engine.offload.link import EmulatedLink, Link, emulation_unit
 from services.engine.offload.prefetch import (
     AffinityPrefetcher,
@@ -32,7 +38,7 @@ from services.engine.offload.prefetch.hints import HintPrefetcher, HintStats
 from services.engine.offload.provider import OffloadedExpertProvider
 from services.engine.offload.routing_trace import RoutingTrace
 from services.engine.offload.settings import OffloadSettings
-from services.engine.offload.split_experts import layout_split_prices, split_pays, staging_buffers
+from services.engine.offload.split_experts import layout_split_prices, staging_buffers
 from services.engine.offload.stats import OffloadStats
 from services.engine.offload.transfer_engine import TransferEngine
 from services.engine.quant.layout import config_expert_layout
@@ -130,8 +136,7 @@ def build_expert_provider(
         log.info("placement costs (ms): device %.3f, host %.3f, link %.3f per expert and token",
                  costs.device(1) * 1e3, costs.host(1) * 1e3, costs.link * 1e3)
         split = layout_split_prices(store.layout)
-        if not split_pays(split, costs, config.max_num_seqs, spec.top_k, spec.num_experts):
-            split = None
+        split = planned_split(settings.policy, split, costs, config.max_num_seqs, spec)
         staging = staging_buffers(spec.top_k, split)
         settings = replace(settings, slots=hybrid_slots(settings.policy, settings.slots, pinned, split, staging))
     slots = settings.slots
