@@ -100,7 +100,7 @@ class TransferEngine:
         return None
 
     def _run(self) -> None:
-        precise_sleeps()  # an emulated link holds each copy by sleeping
+        precise_sleeps()  # an emulated link sleeps in wait_free until its last chunk would have landed
         while True:
             self.link.wait_free()
             with self._cond:
