@@ -270,3 +270,33 @@ def test_a_transfer_records_when_its_copied_chunks_land() -> None:
         assert done >= transfer.copied_until
     finally:
         engine.shutdown()
+
+
+def test_a_transfer_counts_what_is_left_of_it_in_bytes() -> None:
+    """An expert's gate/up chunk is twice its down chunk: once gate/up is across, a third of the expert is
+    left on the link, not half (what the placement weighs an in-flight expert by)."""
+    import threading
+
+    reached, release = threading.Event(), threading.Event()
+
+    class GatedLink(EmulatedLink):
+        def copy(self, dst, src, *, issued_at: float = 0.0) -> None:
+            if src.numel() == 1000:  # the second chunk: hold it until the test has looked
+                reached.set()
+                release.wait()
+            super().copy(dst, src, issued_at=issued_at)
+
+    link = GatedLink(1e9)
+    engine = TransferEngine(link, OffloadStats(1))
+    try:
+        chunks = [(torch.empty(n), torch.ones(n)) for n in (2000, 1000)]
+        transfer = Transfer((0, 0), chunks, link.new_event(), True, 1.0, (0, 0))
+        engine.submit(transfer)
+        reached.wait()
+        assert transfer.next_chunk == 1 and transfer.share_left == pytest.approx(1 / 3)
+        release.set()
+        transfer.event.wait()
+        assert transfer.share_left == 0.0
+    finally:
+        release.set()
+        engine.shutdown()

@@ -144,6 +144,8 @@ class SimTransferEngine(TransferEngine):
         else:
             self.stats.bytes_prefetch += nbytes
         transfer.next_chunk += 1
+        transfer.bytes_copied += nbytes
+        transfer.copied_until = end
         if transfer.next_chunk < len(transfer.chunks):
             transfer.state = TransferState.QUEUED
             self._push(transfer)  # a demand that arrived meanwhile goes first

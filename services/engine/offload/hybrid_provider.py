@@ -40,8 +40,10 @@ class HybridExpertProvider(OffloadedExpertProvider):
         self, *args, executor, placement: Placement, pinned: list[Key] = (), prefetch_floor: float = 0.0,
         prefetch_depth: int = 0, split_staging: int = 0, clock: Callable[[], float] = time.perf_counter, **kwargs
     ) -> None:  # type: ignore[assignment]
-        """`clock`: what the prefetch gate times a prefetcher's planning with (the simulator's own clock)."""
+        """`clock`: the provider's time (the simulator's own clock there): what the prefetch gate times a
+        prefetcher's planning with, and what an in-flight transfer's landing is read against."""
         super().__init__(*args, **kwargs)
+        self.clock = clock
         self.prefetch_floor = prefetch_floor
         self.prefetch_depth = prefetch_depth  # prefetches on the link at once; 0: no limit
         self.executor = executor
@@ -146,13 +148,13 @@ class HybridExpertProvider(OffloadedExpertProvider):
         if not misses and not inflight:
             return misses, inflight, [], []
         unstarted, landing = [], {}
-        now = time.perf_counter()
+        now = self.clock()
         for e in inflight:
             transfer = self.cache.lookup((layer, e)).transfer  # type: ignore[union-attr]
             if transfer.next_chunk == 0:  # type: ignore[union-attr]
                 unstarted.append(e)
-            elif self.costs is not None:  # what is left of the chunk on the link, and the chunks after it
-                left = self.costs.link * (1.0 - transfer.next_chunk / len(transfer.chunks))  # type: ignore
+            elif self.costs is not None:  # the chunks copied land at copied_until; the bytes left follow
+                left = self.costs.link * transfer.share_left  # type: ignore[union-attr]
                 landing[e] = max(0.0, transfer.copied_until - now) + left  # type: ignore[union-attr]
         self._tokens.clear()
         self._tokens.update(zip(experts, tokens or [1] * len(experts)))

@@ -42,8 +42,14 @@ class Transfer:
     version: int = 0  # bumped on promotion; older heap entries are skipped
     chunk_offset: int = 0  # the layout's index of the first chunk moved (a split expert moves down only)
     nbytes: int = field(default=0)
+    bytes_copied: int = 0  # of nbytes, by the chunks copied so far
     issued_at: float = 0.0  # perf_counter seconds when submitted
     copied_until: float = 0.0  # when its chunks copied so far land (an emulated link's clock; 0: unknown)
+
+    @property
+    def share_left(self) -> float:
+        """The share of its bytes still to copy: chunks differ in size (an expert's gate/up is two thirds)."""
+        return 1.0 - self.bytes_copied / self.nbytes if self.nbytes else 0.0
 
 
 class TransferEngine:
@@ -124,6 +130,7 @@ class TransferEngine:
                 self.stats.bytes_prefetch += nbytes
             with self._cond:
                 transfer.next_chunk += 1
+                transfer.bytes_copied += nbytes
                 transfer.copied_until = self.link.busy_until
                 if transfer.next_chunk < len(transfer.chunks):
                     transfer.state = TransferState.QUEUED
