@@ -118,6 +118,7 @@ def test_serve_all_in_one_subprocess(tiny_mixtral_dir: str) -> None:
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
+        assert "Traceback" not in proc.stderr.read()  # type: ignore[union-attr]
     finally:
         if proc.poll() is None:
             proc.kill()

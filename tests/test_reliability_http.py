@@ -146,6 +146,40 @@ async def test_drain_lets_streams_finish_and_refuses_new_work(engine: Any, tiny_
             await asyncio.wait_for(drain, 10)
 
 
+async def test_a_second_signal_cuts_the_streams_and_still_shuts_the_app_down(
+    engine: Any, tiny_mixtral_dir: str
+) -> None:
+    """Ctrl-C twice: the second ends every stream at once with an error event, and the server then stops
+    the ordinary way, the app's shutdown included (uvicorn's forced exit skipped it: the gateway's engine
+    pool was never stopped, and the lifespan task died cancelled, with a traceback)."""
+    backend = HeldEngineClient(engine)
+    async with running_gateway([backend], tiny_mixtral_dir, drain_timeout_s=60.0) as (gateway, server):
+        app_stopped = asyncio.Event()
+        stop_pool = gateway.stop
+
+        async def stop() -> None:
+            await stop_pool()
+            app_stopped.set()
+
+        gateway.stop = stop  # type: ignore[method-assign]
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 400, "stream": True, "ignore_eos": True}
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=30) as http:
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                lines = _sse_lines(response)
+                await anext(lines)
+                first = asyncio.create_task(gateway.drain_and_stop(server))
+                await asyncio.sleep(0)  # the drain has begun, waiting for the held stream
+                await asyncio.wait_for(gateway.drain_and_stop(server), 10)
+                backend.release.set()
+                rest = [line async for line in lines]
+        assert rest[-1] == "[DONE]"
+        assert json.loads(rest[-2])["error"]["code"] == "server_shutting_down"
+        await asyncio.wait_for(first, 10)
+        await asyncio.wait_for(server.serve_forever(), 10)
+        assert app_stopped.is_set() and not server.server.force_exit
+        assert engine.stats()["kv_blocks_used"] == 0
+
+
 async def test_drain_timeout_cuts_streams_with_an_error_event(engine: Any, tiny_mixtral_dir: str) -> None:
     async with running_gateway([InProcessEngineClient(engine)], tiny_mixtral_dir, drain_timeout_s=0.0) as (
         gateway,

@@ -171,7 +171,7 @@ def _say(line: str) -> None:
 
 
 def _drain_on_signals(gateway: Any, server: Any) -> None:
-    """SIGTERM / SIGINT start the graceful drain (a second one stops at once)."""
+    """SIGTERM / SIGINT start the graceful drain (a second one cuts the streams still running and stops)."""
     loop = asyncio.get_running_loop()
     tasks: set[asyncio.Task] = set()
 

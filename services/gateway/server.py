@@ -90,8 +90,8 @@ class Gateway:
     async def drain_and_stop(self, server: HTTPServer) -> None:
         """SIGTERM: readiness false and no new requests, streams finish within the drain timeout, those
         still running then end with an SSE error event; then the HTTP server exits."""
-        if self.drain.draining:  # a second signal: stop now
-            server.request_exit()
+        if self.drain.draining:  # a second signal: end every stream now, then stop as the first would
+            await self.router.cut_all()
             server.request_exit()
             return
         self.drain.begin()
@@ -183,9 +183,10 @@ class HTTPServer:
             listener.close()
 
     def request_exit(self) -> None:
-        """Graceful stop (in-flight requests get timeout_graceful_shutdown); a second call forces it."""
-        if self.server.should_exit:
-            self.server.force_exit = True
+        """Graceful stop: open connections get timeout_graceful_shutdown, then the app's shutdown runs.
+        Never uvicorn's forced exit, which skips the app's shutdown (the gateway's engine pool was left
+        running and its lifespan task died cancelled, with a traceback): a second Ctrl-C cuts the streams
+        instead (Gateway.drain_and_stop)."""
         self.server.should_exit = True
 
     async def stop(self) -> None:
