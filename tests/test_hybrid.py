@@ -529,3 +529,42 @@ def test_a_split_experts_longer_half_starts_first(reference, monkeypatch, host_r
         (kind, _), n = pair[0], max(n for _, n in pair)
         assert {k for k, _ in pair} == {"host", "down"}
         assert kind == ("host" if part.host * costs.host(n) >= part.link * costs.link else "down")
+
+
+def test_hintserve_streams_whole_fetches_beside_its_hot_set(reference) -> None:
+    # A fast link and a slow host: decode misses are fetched whole. They pass through the slots beside the
+    # hot set one after another instead of evicting hot experts up front, and the reserve stays at top-k.
+    model_dir, expected, trace = reference
+    engine = LLMEngine(EngineConfig(model=model_dir, offload_policy="hintserve", routing_trace=trace,
+                                    expert_cache_fraction=0.5, link_ratio=2.0, host_ratio=50.0))
+    provider, eviction = engine.model.experts, engine.model.experts.cache.eviction
+    early_hot_victims, decode_fetches, hot_sizes = [], [], []
+    begin, demand, end_step = provider.begin_layer, provider._demand, provider.end_step
+
+    def begin_layer(layer, experts, ctx, tokens=None):
+        provider.in_begin = True
+        try:
+            return begin(layer, experts, ctx, tokens)
+        finally:
+            provider.in_begin = False
+
+    def counted_demand(expert, victim=None):
+        chosen = victim or provider.cache.choose_victim(provider._ctx, provider._layer, True)
+        if not provider._ctx.is_prefill:
+            decode_fetches.append(expert)
+            if provider.in_begin and chosen in eviction.hot:
+                early_hot_victims.append(chosen)
+        return demand(expert, chosen)
+
+    def recorded_end_step(ctx):
+        end_step(ctx)
+        hot_sizes.append(eviction.hot_size)
+
+    provider.begin_layer, provider._demand, provider.end_step = begin_layer, counted_demand, recorded_end_step
+    try:
+        assert engine.generate(_prompts(), GREEDY) == expected
+    finally:
+        engine.close()
+    assert decode_fetches and provider.stats.host_experts == 0
+    assert early_hot_victims == []
+    assert min(hot_sizes) >= provider.cache.num_slots - max(provider.prefetch_depth, engine.spec.top_k)

@@ -50,6 +50,10 @@ class ExpertCache:
         return len(self.slots)
 
     @property
+    def has_free(self) -> bool:
+        return bool(self._free)
+
+    @property
     def num_occupied(self) -> int:
         return len(self._slot_of)
 

@@ -115,14 +115,29 @@ class HybridExpertProvider(OffloadedExpertProvider):
     def end_step(self, ctx: StepContext) -> None:
         reserve = getattr(self.cache.eviction, "reserve", None)
         if reserve is not None and self.gate is not None and not ctx.is_prefill:
-            # Slots beside the hot set: the link's prefetches while the gate asks for any, and room for
-            # the most misses a layer of this step fetched whole; the rest of the budget holds hot experts.
-            reserve(max(self.prefetch_depth if self.gate.asking() else 0, self._fetched_peak))
+            # Slots beside the hot set: the link's prefetches while the gate asks for any, and the slots this
+            # step's whole fetches streamed through (top-k at most: _issue_pending); the rest hold hot experts.
+            fetches = min(self._fetched_peak, self.stream_slots)
+            reserve(max(self.prefetch_depth if self.gate.asking() else 0, fetches))
         self._fetched_peak = 0
         super().end_step(ctx)
         if self.prefetch_depth > 0:  # the hot set changes at step ends only
             hot = getattr(self.cache.eviction, "hot", ())
             self._hot_missing = [key for key in hot if self.cache.lookup(key) is None]
+
+    def _issue_pending(self) -> None:
+        """In decode, whole fetches stream through the slots beside the hot set: a demand waits for one of
+        them (`get` issues it when the layer reaches its expert) rather than evict a hot expert, which the
+        next step would miss; the link copies one expert at a time, so two such slots keep it busy."""
+        hot = getattr(self.cache.eviction, "hot", None)
+        if not hot or self._ctx.is_prefill:  # type: ignore[union-attr]
+            super()._issue_pending()
+            return
+        while self._pending:
+            victim = self.cache.choose_victim(self._ctx, self._layer, include_protected=True)
+            if victim in hot or (victim is None and not self.cache.has_free):
+                return
+            self._demand(self._pending.popleft(), victim)
 
     def _fill_hot_set(self, layer: int, ctx: StepContext) -> None:
         """Misses are computed on the host or split, so nothing would ever be cached: the link's remaining

@@ -175,9 +175,9 @@ class OffloadedExpertProvider(ExpertProvider):
                 return
             self._demand(self._pending.popleft())
 
-    def _demand(self, expert: int) -> Slot:
+    def _demand(self, expert: int, victim: Key | None = None) -> Slot:
         key = (self._layer, expert)
-        slot, evicted = self.cache.acquire(key, self._ctx, self._layer, include_protected=True)
+        slot, evicted = self.cache.acquire(key, self._ctx, self._layer, include_protected=True, victim=victim)
         while slot is None:  # every slot is pinned or loading: take one back from the prefetches
             self._reclaim_prefetch_slot()
             slot, evicted = self.cache.acquire(key, self._ctx, self._layer, include_protected=True)
