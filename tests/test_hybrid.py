@@ -532,8 +532,9 @@ def test_a_split_experts_longer_half_starts_first(reference, monkeypatch, host_r
 
 
 def test_hintserve_streams_whole_fetches_beside_its_hot_set(reference) -> None:
-    # A fast link and a slow host: decode misses are fetched whole. They pass through the slots beside the
-    # hot set one after another instead of evicting hot experts up front, and the reserve stays at top-k.
+    # A fast link and a slow host: decode misses are fetched whole. While the layer holds a slot beside the
+    # hot set, they wait to pass through it instead of evicting hot experts up front; the reserve stays at
+    # top-k.
     model_dir, expected, trace = reference
     engine = LLMEngine(EngineConfig(model=model_dir, offload_policy="hintserve", routing_trace=trace,
                                     expert_cache_fraction=0.5, link_ratio=2.0, host_ratio=50.0))
@@ -552,7 +553,8 @@ def test_hintserve_streams_whole_fetches_beside_its_hot_set(reference) -> None:
         chosen = victim or provider.cache.choose_victim(provider._ctx, provider._layer, True)
         if not provider._ctx.is_prefill:
             decode_fetches.append(expert)
-            if provider.in_begin and chosen in eviction.hot:
+            frees_soon = any(slot.key not in eviction.hot for slot in provider._pinned)
+            if provider.in_begin and chosen in eviction.hot and frees_soon:
                 early_hot_victims.append(chosen)
         return demand(expert, chosen)
 

@@ -126,16 +126,19 @@ class HybridExpertProvider(OffloadedExpertProvider):
             self._hot_missing = [key for key in hot if self.cache.lookup(key) is None]
 
     def _issue_pending(self) -> None:
-        """In decode, whole fetches stream through the slots beside the hot set: a demand waits for one of
-        them (`get` issues it when the layer reaches its expert) rather than evict a hot expert, which the
-        next step would miss; the link copies one expert at a time, so two such slots keep it busy."""
+        """In decode, whole fetches stream through the slots beside the hot set: while this layer holds one
+        of them (it frees once the layer has computed its expert; `get` then issues the next fetch), a demand
+        waits for it rather than evict a hot expert, which the next step would miss. The link copies one
+        expert at a time, so two such slots keep it busy. With none held, the fetch starts now."""
         hot = getattr(self.cache.eviction, "hot", None)
         if not hot or self._ctx.is_prefill:  # type: ignore[union-attr]
             super()._issue_pending()
             return
         while self._pending:
             victim = self.cache.choose_victim(self._ctx, self._layer, include_protected=True)
-            if victim in hot or (victim is None and not self.cache.has_free):
+            if victim is None and not self.cache.has_free:
+                return
+            if victim in hot and any(slot.key not in hot for slot in self._pinned):
                 return
             self._demand(self._pending.popleft(), victim)
 
