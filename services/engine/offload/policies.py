@@ -67,7 +67,8 @@ POLICIES: dict[str, OffloadPolicy] = {
         OffloadPolicy("hintserve", "ours: a hot set learned online stays on the device (KTransformers without "
                       "a recorded trace); the skip-gate and predictor hints prefetch their likely guesses into the "
                       "link's slack, into slots outside the hot set; each remaining miss computed on the host "
-                      "when that beats fetching or waiting for it (Fiddler's rule, weighing what is on the link)",
+                      "when that beats fetching or waiting for it (Fiddler's rule, weighing what is on the link); "
+                      "whole fetches stream through top-k slots beside the hot set",
                       eviction="hot-set", prefetchers=("speculative", "hints"), predictor="expert-map",
                       placement="cost", prefetch_floor=0.8, prefetch_depth=2, split_experts=True),
     )
