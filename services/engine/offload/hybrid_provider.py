@@ -125,22 +125,15 @@ class HybridExpertProvider(OffloadedExpertProvider):
             hot = getattr(self.cache.eviction, "hot", ())
             self._hot_missing = [key for key in hot if self.cache.lookup(key) is None]
 
-    def _issue_pending(self) -> None:
+    def _holds_back(self, victim: Key | None) -> bool:
         """In decode, whole fetches stream through the slots beside the hot set: while this layer holds one
         of them (it frees once the layer has computed its expert; `get` then issues the next fetch), a demand
         waits for it rather than evict a hot expert, which the next step would miss. The link copies one
         expert at a time, so two such slots keep it busy. With none held, the fetch starts now."""
         hot = getattr(self.cache.eviction, "hot", None)
-        if not hot or self._ctx.is_prefill:  # type: ignore[union-attr]
-            super()._issue_pending()
-            return
-        while self._pending:
-            victim = self.cache.choose_victim(self._ctx, self._layer, include_protected=True)
-            if victim is None and not self.cache.has_free:
-                return
-            if victim in hot and any(slot.key not in hot for slot in self._pinned):
-                return
-            self._demand(self._pending.popleft(), victim)
+        if not hot or victim not in hot or self._ctx.is_prefill:  # type: ignore[union-attr]
+            return False
+        return any(slot.key not in hot for slot in self._pinned)
 
     def _fill_hot_set(self, layer: int, ctx: StepContext) -> None:
         """Misses are computed on the host or split, so nothing would ever be cached: the link's remaining

@@ -171,9 +171,15 @@ class OffloadedExpertProvider(ExpertProvider):
 
     def _issue_pending(self) -> None:
         while self._pending and (self._depth is None or len(self._demanded) < self._depth):
-            if self.cache.num_available(include_protected=True) == 0:
+            victim = self.cache.choose_victim(self._ctx, self._layer, include_protected=True)
+            if (victim is None and not self.cache.has_free) or self._holds_back(victim):
                 return
-            self._demand(self._pending.popleft())
+            self._demand(self._pending.popleft(), victim)
+
+    def _holds_back(self, victim: Key | None) -> bool:
+        """Whether the next demand waits for a slot this layer frees (`get` issues it then) rather than
+        evict `victim` now."""
+        return False
 
     def _demand(self, expert: int, victim: Key | None = None) -> Slot:
         key = (self._layer, expert)
