@@ -143,12 +143,7 @@ class SimTransferEngine(TransferEngine):
             self.stats.bytes_demand += nbytes
         else:
             self.stats.bytes_prefetch += nbytes
-        transfer.next_chunk += 1
-        transfer.bytes_copied += nbytes
-        transfer.copied_until = end
-        if transfer.next_chunk < len(transfer.chunks):
-            transfer.state = TransferState.QUEUED
+        if transfer.chunk_copied(nbytes, end):
             self._push(transfer)  # a demand that arrived meanwhile goes first
         else:
-            transfer.state = TransferState.DONE
             transfer.event.done_at = end  # type: ignore[attr-defined]

@@ -46,6 +46,15 @@ class Transfer:
     issued_at: float = 0.0  # perf_counter seconds when submitted
     copied_until: float = 0.0  # when its chunks copied so far land (an emulated link's clock; 0: unknown)
 
+    def chunk_copied(self, nbytes: int, lands_at: float) -> bool:
+        """Records a chunk of `nbytes` copied, landing at `lands_at`; True while chunks remain (queued again)."""
+        self.next_chunk += 1
+        self.bytes_copied += nbytes
+        self.copied_until = lands_at
+        more = self.next_chunk < len(self.chunks)
+        self.state = TransferState.QUEUED if more else TransferState.DONE
+        return more
+
     @property
     def share_left(self) -> float:
         """The share of its bytes still to copy: chunks differ in size (an expert's gate/up is two thirds)."""
@@ -129,12 +138,7 @@ class TransferEngine:
             else:
                 self.stats.bytes_prefetch += nbytes
             with self._cond:
-                transfer.next_chunk += 1
-                transfer.bytes_copied += nbytes
-                transfer.copied_until = self.link.busy_until
-                if transfer.next_chunk < len(transfer.chunks):
-                    transfer.state = TransferState.QUEUED
+                if transfer.chunk_copied(nbytes, self.link.busy_until):
                     self._push(transfer)  # give a newly arrived demand its turn between chunks
                     continue
-                transfer.state = TransferState.DONE
             self.link.complete(transfer.event)
