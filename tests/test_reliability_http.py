@@ -7,6 +7,7 @@ import asyncio
 import json
 import socket
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -121,26 +122,36 @@ async def _sse_lines(response: httpx.Response) -> AsyncIterator[str]:
             yield line[len("data: ") :]
 
 
+@asynccontextmanager
+async def _drain_begun_mid_stream(
+    gateway: Any, server: HTTPServer, body: dict[str, Any]
+) -> AsyncIterator[tuple[AsyncIterator[str], asyncio.Task]]:
+    """A stream that has sent its first line, and the drain begun behind it (readiness off, listener closed):
+    (the stream's remaining SSE lines, the drain task)."""
+    async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=30) as http:
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            lines = _sse_lines(response)
+            await anext(lines)
+            drain = asyncio.create_task(gateway.drain_and_stop(server))
+            await asyncio.sleep(0)
+            yield lines, drain
+
+
 async def test_drain_lets_streams_finish_and_refuses_new_work(engine: Any, tiny_mixtral_dir: str) -> None:
     backend = HeldEngineClient(engine)
     async with running_gateway([backend], tiny_mixtral_dir, drain_timeout_s=60.0) as (gateway, server):
         async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=30) as probe:
             assert (await probe.get("/ready")).status_code == 200  # a kept-alive connection for later
             body = {"model": MODEL, "prompt": "Hello", "max_tokens": 8, "stream": True, "ignore_eos": True}
-            async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=30) as http:
-                async with http.stream("POST", "/v1/completions", json=body) as response:
-                    lines = _sse_lines(response)
-                    await anext(lines)
-                    drain = asyncio.create_task(gateway.drain_and_stop(server))
-                    await asyncio.sleep(0)  # the drain has begun (readiness off, listener closed)
-                    ready = await probe.get("/ready")
-                    assert ready.status_code == 503 and ready.json()["status"] == "draining"
-                    refused = await probe.post("/v1/completions", json={**body, "stream": False})
-                    assert refused.status_code == 503
-                    assert refused.json()["error"]["code"] == "server_shutting_down"
-                    assert not drain.done()
-                    backend.release.set()
-                    rest = [line async for line in lines]
+            async with _drain_begun_mid_stream(gateway, server, body) as (lines, drain):
+                ready = await probe.get("/ready")
+                assert ready.status_code == 503 and ready.json()["status"] == "draining"
+                refused = await probe.post("/v1/completions", json={**body, "stream": False})
+                assert refused.status_code == 503
+                assert refused.json()["error"]["code"] == "server_shutting_down"
+                assert not drain.done()
+                backend.release.set()
+                rest = [line async for line in lines]
             assert rest[-1] == "[DONE]"
             assert json.loads(rest[-2])["choices"][0]["finish_reason"] == "length"
             await asyncio.wait_for(drain, 10)
@@ -163,15 +174,10 @@ async def test_a_second_signal_cuts_the_streams_and_still_shuts_the_app_down(
 
         gateway.stop = stop  # type: ignore[method-assign]
         body = {"model": MODEL, "prompt": "Hello", "max_tokens": 400, "stream": True, "ignore_eos": True}
-        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=30) as http:
-            async with http.stream("POST", "/v1/completions", json=body) as response:
-                lines = _sse_lines(response)
-                await anext(lines)
-                first = asyncio.create_task(gateway.drain_and_stop(server))
-                await asyncio.sleep(0)  # the drain has begun, waiting for the held stream
-                await asyncio.wait_for(gateway.drain_and_stop(server), 10)
-                backend.release.set()
-                rest = [line async for line in lines]
+        async with _drain_begun_mid_stream(gateway, server, body) as (lines, first):
+            await asyncio.wait_for(gateway.drain_and_stop(server), 10)  # the first waits for the held stream
+            backend.release.set()
+            rest = [line async for line in lines]
         assert rest[-1] == "[DONE]"
         assert json.loads(rest[-2])["error"]["code"] == "server_shutting_down"
         await asyncio.wait_for(first, 10)
@@ -186,12 +192,8 @@ async def test_drain_timeout_cuts_streams_with_an_error_event(engine: Any, tiny_
         server,
     ):
         body = {"model": MODEL, "prompt": "Hello", "max_tokens": 400, "stream": True, "ignore_eos": True}
-        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=30) as http:
-            async with http.stream("POST", "/v1/completions", json=body) as response:
-                lines = _sse_lines(response)
-                await anext(lines)
-                drain = asyncio.create_task(gateway.drain_and_stop(server))
-                rest = [line async for line in lines]
+        async with _drain_begun_mid_stream(gateway, server, body) as (lines, drain):
+            rest = [line async for line in lines]
         assert rest[-1] == "[DONE]"
         error = json.loads(rest[-2])["error"]
         assert error["code"] == "server_shutting_down"
