@@ -9,9 +9,10 @@ import torch.nn.functional as F
 
 from services.engine import cpu_kernels
 from services.engine.config import EngineConfig
-from services.engine.engine_core import intra_op_threads
+from services.engine.cpu_kernels import formats
+from services.engine.cpu_threads import intra_op_threads
 from services.engine.llm_engine import LLMEngine
-from services.engine.models import attention, fused_moe
+from services.engine.models import attention, native_moe
 from services.engine.models.attention import AttentionMetadata, decode_attention, write_kv
 from services.engine.sampling_params import SamplingParams
 
@@ -138,7 +139,7 @@ def test_one_thread_engine_takes_both_kernels_with_the_same_greedy_text(monkeypa
     prompts = [[5, 17, 300, 42, 7, 99, 1200, 3], [900, 12, 64], list(range(100, 150))]
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     calls = {"attention": 0, "moe": 0}
-    attention_kernel, moe_kernel = cpu_kernels.paged_decode_attention, cpu_kernels.moe_swiglu
+    attention_kernel, moe_kernel = cpu_kernels.paged_decode_attention, formats.moe
 
     def count(name, kernel):
         def counted(*args):
@@ -147,7 +148,7 @@ def test_one_thread_engine_takes_both_kernels_with_the_same_greedy_text(monkeypa
         return counted
 
     monkeypatch.setattr(attention.cpu_kernels, "paged_decode_attention", count("attention", attention_kernel))
-    monkeypatch.setattr(fused_moe.cpu_kernels, "moe_swiglu", count("moe", moe_kernel))
+    monkeypatch.setattr(native_moe.formats, "moe", count("moe", moe_kernel))
     _same_text_with_and_without_kernels(monkeypatch, EngineConfig(), prompts, params, calls)
 
 

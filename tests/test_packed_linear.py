@@ -37,7 +37,19 @@ def test_rows_pad_to_few_shapes() -> None:
     layer.warm_up(100)  # every bucket up to 100 rows runs once
 
 
-def test_engine_generates_the_same_tokens_packed_or_not(tiny_mixtral_dir: str) -> None:
+@pytest.fixture
+def without_native_kernels(monkeypatch):
+    """oneDNN's path is the dense layers' path where the native kernels are not built (no compiler)."""
+    from services.engine import cpu_kernels
+
+    monkeypatch.setenv("HINTSERVE_CPU_KERNELS", "0")
+    cpu_kernels.library.cache_clear()
+    yield
+    monkeypatch.delenv("HINTSERVE_CPU_KERNELS")
+    cpu_kernels.library.cache_clear()
+
+
+def test_engine_generates_the_same_tokens_packed_or_not(tiny_mixtral_dir: str, without_native_kernels) -> None:
     """The serving core's packed path (a core left free) against the plain one (a thread on every core)."""
     import os
 
@@ -52,16 +64,17 @@ def test_engine_generates_the_same_tokens_packed_or_not(tiny_mixtral_dir: str) -
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     before = torch.get_num_threads()
     try:
+        plain = LLMEngine(EngineConfig(model=tiny_mixtral_dir, max_num_seqs=8, threads=cores))
+        packed = LLMEngine(EngineConfig(model=tiny_mixtral_dir, max_num_seqs=8, threads=1))
+        torch.set_num_threads(1)  # the packed engine's setting (each engine sets it as it loads)
+        assert plain.model.lm_head.packed is None and packed.model.lm_head.packed is not None
+        assert packed.model.experts.stacked_experts(0).packed
+        packed.model.warm_up(64, 8)
+        packed_tokens = packed.generate(prompts, params)
         torch.set_num_threads(cores)
-        plain = LLMEngine(EngineConfig(model=tiny_mixtral_dir, max_num_seqs=8))
-        torch.set_num_threads(1)
-        packed = LLMEngine(EngineConfig(model=tiny_mixtral_dir, max_num_seqs=8))
+        assert packed_tokens == plain.generate(prompts, params)
     finally:
         torch.set_num_threads(before)
-    assert plain.model.lm_head.packed is None and packed.model.lm_head.packed is not None
-    assert packed.model.experts.stacked_experts(0).packed
-    packed.model.warm_up(64, 8)
-    assert packed.generate(prompts, params) == plain.generate(prompts, params)
 
 
 def test_one_row_takes_mkl_on_the_in_out_layout(monkeypatch) -> None:
@@ -87,14 +100,14 @@ def test_one_row_takes_mkl_on_the_in_out_layout(monkeypatch) -> None:
     assert PackedLinear(w, None, pack=False).weight is w  # unpacked layers keep the weight as given
 
 
-def test_model_keeps_one_plain_copy_of_relaid_weights(tiny_mixtral_dir: str) -> None:
+def test_model_keeps_one_plain_copy_of_relaid_weights(tiny_mixtral_dir: str, without_native_kernels) -> None:
     """The packed LM head and o projections are relaid [in, out]; the model's weights then point at those."""
     from services.engine.config import EngineConfig
-    from services.engine.engine_core import intra_op_threads
+    from services.engine.cpu_threads import intra_op_threads
     from services.engine.llm_engine import LLMEngine
 
     with intra_op_threads(1):
-        engine = LLMEngine(EngineConfig(model=tiny_mixtral_dir, max_num_seqs=2))
+        engine = LLMEngine(EngineConfig(model=tiny_mixtral_dir, max_num_seqs=2, threads=1))
     model = engine.model
     if model.lm_head.packed is None:
         pytest.skip("packing needs oneDNN and a second core")

@@ -9,7 +9,7 @@ from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkR
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
 from services.engine.config import EngineConfig
-from services.engine.engine_core import intra_op_threads
+from services.engine.cpu_threads import intra_op_threads
 from services.engine.llm_engine import LLMEngine
 from services.engine.models.attention import AttentionMetadata
 from services.engine.models.loader import load_model

@@ -14,7 +14,7 @@ from tqdm import tqdm
 from services.bench.prompts import prompt_ids
 from services.common.report import bar_plot, markdown_table, run_header, write_json, write_markdown
 from services.engine.config import EngineConfig
-from services.engine.engine_core import core_threads, intra_op_threads
+from services.engine.cpu_threads import core_threads, intra_op_threads
 from services.engine.llm_engine import LLMEngine
 from services.engine.models.geometry import total_experts
 from services.engine.offload.policies import get_policy

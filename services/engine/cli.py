@@ -61,6 +61,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_default: str | None =
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-mb", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU compute threads (default: cores - 1; OMP_NUM_THREADS when set)")
+    parser.add_argument("--weight-dtype", choices=("auto", "fp32", "bf16", "int8", "int4"), default=None,
+                        help="CPU: attention projections and LM head storage (auto: the run dtype)")
+    parser.add_argument("--weight-group-size", type=int, choices=(64, 128), default=None,
+                        help="int4 --weight-dtype: inputs per scale (64)")
     parser.add_argument("--enforce-eager", action="store_true", default=None,
                         help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
     offload = parser.add_argument_group("expert offload")
@@ -181,6 +187,8 @@ def run_generate(args: argparse.Namespace) -> int:
     )
     params.validate()  # before loading the model: bad flags fail fast (InvalidRequestError is a ValueError)
     config = engine_config(args)
+    if args.max_num_seqs is None:  # one prompt: a KV cache for one sequence, not a server's 2 GB
+        config.max_num_seqs = 1
     engine = _load_engine(config, core_in_thread=True)  # offline, one request: no second process needed
     if args.chat and not engine.has_chat_template:
         raise ValueError(f"--chat: the tokenizer in {args.model} has no chat template")

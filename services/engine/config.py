@@ -38,6 +38,12 @@ class EngineConfig:
     # Routed experts' storage everywhere they live (services/engine/quant): auto = the run dtype unquantized.
     expert_dtype: str = "auto"  # auto | bf16 | int8 (per output row) | int4 (per group of inputs)
     expert_group_size: int = 64  # int4: inputs per (scale, zero): 32, 64 or 128
+    # Non-expert matrices (attention projections, LM head) on the CPU: auto = the run dtype; see native_linear.
+    weight_dtype: str = "auto"  # auto | fp32 | bf16 | int8 (per output row) | int4 (per group of inputs)
+    weight_group_size: int = 64  # int4 dense matrices: inputs per (scale, zero): 64 or 128
+    # CPU compute threads (the native kernels' pool; torch then runs one): None = cores - 1, one core left
+    # to the frontend as vLLM's CPU worker leaves it (OMP_NUM_THREADS decides when set); generate and serve alike.
+    threads: int | None = None
     # Predictor link (policies with prediction hints): Redis broker, or an embedded predictor without one.
     redis_url: str | None = None  # redis://host:port; None: in-process broker + embedded predictor service
     engine_id: str | None = None  # names this engine's hint channel hintserve:hints:<engine_id>; None: generated
@@ -79,6 +85,14 @@ class EngineConfig:
             raise ValueError(f"unknown expert dtype {self.expert_dtype!r}: use auto, bf16, int8 or int4")
         if self.expert_group_size not in (32, 64, 128):
             raise ValueError(f"expert_group_size must be 32, 64 or 128, got {self.expert_group_size}")
+        if self.weight_dtype not in ("auto", "fp32", "bf16", "int8", "int4"):
+            raise ValueError(f"unknown weight dtype {self.weight_dtype!r}: use auto, fp32, bf16, int8 or int4")
+        if self.weight_dtype != "auto" and self.device != "cpu":
+            raise ValueError("--weight-dtype runs on the CPU's native kernels: use --device cpu (or leave it auto)")
+        if self.weight_group_size not in (64, 128):
+            raise ValueError(f"weight_group_size must be 64 or 128, got {self.weight_group_size}")
+        if self.threads is not None and not 1 <= self.threads <= 256:
+            raise ValueError(f"threads must be in 1..256, got {self.threads}")
         check_broker_url(self.redis_url)
 
     def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:

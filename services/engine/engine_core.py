@@ -18,16 +18,11 @@ A CoreOutput is (request_id, serial, token_id or None, prompt_tokens, completion
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
 from multiprocessing.connection import Connection
-
-import torch
 
 from services.engine.config import EngineConfig
 from services.engine.errors import InvalidRequestError
@@ -135,32 +130,9 @@ def _say(outputs: Connection, msg: tuple) -> None:
         pass
 
 
-def core_threads() -> int:
-    """Torch threads for the core: one core left to the frontend (HTTP, SSE, detokenisation), as vLLM's CPU
-    worker does; OMP_NUM_THREADS, when set, decides."""
-    if os.environ.get("OMP_NUM_THREADS"):
-        return torch.get_num_threads()
-    return max(1, (os.cpu_count() or 1) - 1)
-
-
-@contextlib.contextmanager
-def intra_op_threads(threads: int | None) -> Iterator[None]:
-    """torch's intra-op thread count (process-wide) at `threads` inside the block, restored after; None:
-    left as it is."""
-    before = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def engine_core_main(config: EngineConfig, requests: Connection, outputs: Connection) -> None:
     """The core process's entry point (spawned): Ctrl-C goes to the frontend, which stops us in order."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if config.device == "cpu":
-        torch.set_num_threads(core_threads())
     logging.basicConfig(level=logging.WARNING, format="[hintserve core] %(levelname)s %(name)s: %(message)s")
     logging.getLogger("torchao").setLevel(logging.ERROR)  # optional CUDA kernels it cannot load on CPU
     sys.exit(run_engine_core(config, requests, outputs))

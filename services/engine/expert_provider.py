@@ -12,6 +12,7 @@ from services.engine.step_context import StepContext
 
 if TYPE_CHECKING:
     from services.engine.models.fused_moe import StackedExperts
+    from services.engine.models.native_moe import NativeExperts
 
 
 @dataclass
@@ -84,6 +85,10 @@ class ExpertProvider(ABC):
         """The layer's experts stacked for the fused path, when they all stay resident and dense; else None."""
         return None
 
+    def native_experts(self, layer: int) -> NativeExperts | None:
+        """The layer's experts for the one-call native MoE (resident, on the CPU, kernels built); else None."""
+        return None
+
     def engine_stats(self) -> dict[str, float]:
         """Counters for the engine's Stats RPC (offload hits, bytes moved, ...)."""
         return {}
@@ -101,10 +106,12 @@ class ResidentExpertProvider(ExpertProvider):
     """Every expert lives on the compute device: no offload (the speed bound)."""
 
     def __init__(
-        self, experts: list[list[ExpertWeights] | None], stacked: list[StackedExperts | None] | None = None
+        self, experts: list[list[ExpertWeights] | None], stacked: list[StackedExperts | None] | None = None,
+        native: list[NativeExperts | None] | None = None,
     ) -> None:
         self._experts = experts  # indexed [layer][expert]; None for dense layers
         self._stacked = stacked or [None] * len(experts)  # views of the same memory as `experts` where set
+        self._native = native or [None] * len(experts)  # the same memory again, as the native kernels read it
 
     def begin_layer(
         self, layer: int, experts: list[int], ctx: StepContext, tokens: list[int] | None = None
@@ -116,6 +123,9 @@ class ResidentExpertProvider(ExpertProvider):
 
     def stacked_experts(self, layer: int) -> StackedExperts | None:
         return self._stacked[layer]
+
+    def native_experts(self, layer: int) -> NativeExperts | None:
+        return self._native[layer]
 
     @property
     def device_bytes(self) -> int:

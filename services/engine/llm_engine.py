@@ -15,9 +15,10 @@ from transformers import AutoTokenizer
 
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
+from services.engine.cpu_threads import apply_threads
 from services.engine.cuda_graphs import graphs_supported
 from services.engine.errors import InvalidRequestError
-from services.engine.host_allocator import keep_large_allocations
+from services.engine.host_allocator import loading_weights
 from services.engine.input_processor import (
     EngineLimits,
     InputProcessor,
@@ -62,19 +63,25 @@ class LLMEngine:
         config.validate()
         self.config = config
         self.detokenize = detokenize
-        keep_large_allocations()  # the host's activations (and, offloaded, its expert compute) reuse their pages
         self.tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
         model_positions = spec_from_config(load_hf_config(config.model)).max_position_embeddings
         self.max_model_len = config.max_model_len or min(model_positions, _MAX_DEFAULT_CONTEXT)
         if self.max_model_len > model_positions:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {model_positions}")
-        loaded = load_model(
-            config.model,
-            config.dtype,
-            config.device,
-            self.max_model_len,
-            make_provider=functools.partial(build_expert_provider, config),
-        )
+        self._torch_threads = torch.get_num_threads()  # restored at close: the setting is process-wide
+        apply_threads(config)
+        # Loaded with the transients' pages returned as freed; then the host's activations (and, offloaded, its
+        # expert compute) keep and reuse their pages.
+        with loading_weights():
+            loaded = load_model(
+                config.model,
+                config.dtype,
+                config.device,
+                self.max_model_len,
+                make_provider=functools.partial(build_expert_provider, config),
+                weight_dtype=config.weight_dtype,
+                weight_group_size=config.weight_group_size,
+            )
         self.spec = loaded.spec
         self.dtype = loaded.dtype
         self.model_type = loaded.hf_config.model_type
@@ -257,13 +264,15 @@ class LLMEngine:
                 if mlp is not None:
                     tensors += [mlp.gate_up, mlp.down]
         linears = [lin for lin in (*m.qkv, *m.o, m.lm_head) if lin is not None]
-        tensors += [lin.weight for lin in linears]  # the fused qkv weights are copies
+        tensors += [lin.weight for lin in linears if lin.weight is not None]  # the fused qkv weights are copies
         unique = {id(t): t for t in tensors}
-        packed = sum(lin.extra_bytes for lin in linears)  # oneDNN's prepacked copies (CPU fp32)
+        # oneDNN's prepacked copies (CPU fp32), and the layers that hold only their own format (no float copy)
+        packed = sum(lin.extra_bytes if lin.weight is not None else lin.nbytes for lin in linears)
         return sum(t.numel() * t.element_size() for t in unique.values()) + packed + m.experts.device_bytes
 
     def close(self) -> None:
         self.model.experts.close()
+        torch.set_num_threads(self._torch_threads)
 
     def model_info(self) -> dict[str, object]:
         spec = self.spec

@@ -12,7 +12,7 @@ The source is compiled at first use with the system C compiler (`$CC`, else `cc`
 a per-user cache keyed by the source, flags and CPU; nothing to build at install time, no torch headers (about
 a second). Without a compiler, or with HINTSERVE_CPU_KERNELS=0, `library()` is None and callers keep torch's
 path. The kernels are single-threaded: callers use them only when torch runs one intra-op thread, as the
-serving core does on small boxes (engine_core.core_threads).
+serving core does on small boxes (cpu_threads.core_threads).
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels.c")
+SOURCES = [Path(__file__).with_name(name) for name in ("kernels.c", "threadpool.c", "matmul.c", "moe.c")]
+HEADERS = [Path(__file__).with_name("hs.h")]
 _FLAG_SETS = (["-O3", "-march=native"], ["-O3"])  # the second where the compiler knows no -march=native
 _ROWS = 8  # kernels.c's ROWS: tokens per expert GEMM pass
 _NT_ROWS = 4  # kernels.c's NT_ROWS: tokens per pass of expert_rows_f32
@@ -57,7 +58,7 @@ def _cpu_identity() -> str:
 
 
 def _build(compiler: str, flags: list[str]) -> Path:
-    source = SOURCE.read_bytes()
+    source = b"\0".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(flags).encode(),
                                      _cpu_identity().encode()])).hexdigest()[:16]
     target = cache_dir() / f"hintserve_kernels_{key}.so"
@@ -67,8 +68,8 @@ def _build(compiler: str, flags: list[str]) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *flags, "-fPIC", "-shared", "-o", tmp, str(SOURCE)], check=True,
-                       capture_output=True, text=True, timeout=120)
+        subprocess.run([compiler, *flags, "-fPIC", "-shared", "-o", tmp, *map(str, SOURCES), "-lpthread", "-lm"],
+                       check=True, capture_output=True, text=True, timeout=120)
         os.replace(tmp, target)  # atomic: a concurrent builder's copy is as good as ours
     finally:
         if os.path.exists(tmp):
@@ -109,9 +110,22 @@ def library() -> ctypes.CDLL | None:
     lib.expert_rows_f32.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr]
     lib.rms_norm_f32.restype = None
     lib.rms_norm_f32.argtypes = [_ptr, _ptr, _ptr, _f32, _ptr, _ptr, _i64, _i64]
+    lib.hs_linear.restype = ctypes.c_int
+    lib.hs_linear.argtypes = [_ptr, _ptr, _i64, _ptr, _i64, _i64]
+    lib.hs_moe.restype = ctypes.c_int
+    lib.hs_moe.argtypes = [_ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr]
+    lib.hs_set_threads.restype = ctypes.c_int
+    lib.hs_set_threads.argtypes = [ctypes.c_int]
+    lib.hs_threads.restype = ctypes.c_int
     lib.rope_write_kv_f32.restype = ctypes.c_int
     lib.rope_write_kv_f32.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64]
     return lib
+
+
+def set_threads(threads: int) -> int:
+    """The native kernels' pool size (the caller counts as one); returns the size in force (1 without them)."""
+    lib = library()
+    return 1 if lib is None else lib.hs_set_threads(threads)
 
 
 def widths_supported(*widths: int) -> bool:

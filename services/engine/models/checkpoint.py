@@ -1,12 +1,24 @@
-"""Lazy access to a Hugging Face safetensors checkpoint, one tensor at a time by name."""
+"""Lazy access to a Hugging Face safetensors checkpoint, one tensor at a time by name.
+
+Each tensor is read from its shard with one `readinto` into a buffer of its own, not through a memory map:
+pages of a mapped shard count towards the process's resident memory for as long as the map lives, so loading
+a 5 GB checkpoint held 5 GB besides the weights in their final format. The header (offsets and dtypes) is
+parsed once per shard; the format is safetensors' own (8-byte header length, JSON header, raw data).
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import struct
 
 import torch
-from safetensors import safe_open
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
 
 
 class Checkpoint:
@@ -19,13 +31,11 @@ class Checkpoint:
             with open(index_path) as f:
                 weight_map: dict[str, str] = json.load(f)["weight_map"]
         else:
-            single = os.path.join(model_dir, "model.safetensors")
-            if not os.path.isfile(single):
+            if not os.path.isfile(os.path.join(model_dir, "model.safetensors")):
                 raise FileNotFoundError(f"no model.safetensors or safetensors index in {model_dir}")
-            with safe_open(single, framework="pt") as f:
-                weight_map = {name: "model.safetensors" for name in f.keys()}
+            weight_map = dict.fromkeys(self._header("model.safetensors")[0], "model.safetensors")
         self._shard_of = weight_map
-        self._handles: dict[str, object] = {}
+        self._headers: dict[str, tuple[dict, int]] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self._shard_of
@@ -33,21 +43,42 @@ class Checkpoint:
     def names(self) -> list[str]:
         return list(self._shard_of)
 
+    def _header(self, shard: str) -> tuple[dict, int]:
+        """The shard's tensor entries and where its data starts."""
+        path = os.path.join(self.model_dir, shard)
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        header.pop("__metadata__", None)
+        return header, 8 + length
+
     def get(self, name: str) -> torch.Tensor:
         shard = self._shard_of.get(name)
         if shard is None:
             raise KeyError(f"tensor {name!r} not in checkpoint {self.model_dir}")
-        handle = self._handles.get(shard)
-        if handle is None:
-            handle = safe_open(os.path.join(self.model_dir, shard), framework="pt")
-            self._handles[shard] = handle
-        return handle.get_tensor(name)  # type: ignore[attr-defined]
+        if shard not in self._headers:
+            self._headers[shard] = self._header(shard)
+        header, data_start = self._headers[shard]
+        entry = header[name]
+        begin, end = entry["data_offsets"]
+        dtype = _DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise ValueError(f"tensor {name!r} in {shard} has dtype {entry['dtype']}, which we do not read")
+        out = torch.empty(end - begin, dtype=torch.uint8)
+        with open(os.path.join(self.model_dir, shard), "rb", buffering=0) as f:
+            f.seek(data_start + begin)
+            if f.readinto(memoryview(out.numpy())) != end - begin:
+                raise ValueError(f"{shard} is truncated: tensor {name!r} runs past its end")
+        return out.view(dtype).view(entry["shape"])
 
     def dtype(self) -> torch.dtype | None:
         for name in self._shard_of:
             if name.endswith("weight"):
-                return self.get(name).dtype
+                shard = self._shard_of[name]
+                if shard not in self._headers:
+                    self._headers[shard] = self._header(shard)
+                return _DTYPES.get(self._headers[shard][0][name]["dtype"])
         return None
 
     def close(self) -> None:
-        self._handles.clear()
+        self._headers.clear()

@@ -17,10 +17,12 @@ from services.engine.models.attention import (
     rms_norm,
     write_kv,
 )
+from services.engine.models.dense_layers import DenseLayers
 from services.engine.models.fused_moe import fused_moe_forward
 from services.engine.models.mla_attention import mla_attention
 from services.engine.models.moe import moe_forward, swiglu
-from services.engine.models.packed_linear import PackedLinear, should_pack
+from services.engine.models.native_moe import native_moe_forward
+from services.engine.models.packed_linear import PackedLinear
 from services.engine.models.router import route
 from services.engine.models.spec import ModelSpec
 from services.engine.models.weights import AttentionWeights, LayerWeights, MlaWeights, NonExpertWeights
@@ -36,7 +38,9 @@ class MoECausalLM:
         inv_freq: torch.Tensor,
         rope_scaling: float,
         max_len: int,
+        dense: DenseLayers,
     ) -> None:
+        """dense: the attention projections and LM head, built from `weights` as they loaded (dense_layers)."""
         self.spec = spec
         self.w = weights
         self.experts = experts
@@ -50,22 +54,7 @@ class MoECausalLM:
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
         self.latent_caches: list[torch.Tensor] = []  # MLA: [slots, kv_lora_rank + qk_rope_head_dim] per layer
-        pack = should_pack(str(device), dtype)
-        self.lm_head = PackedLinear(weights.lm_head, None, pack)
-        # q, k and v as one GEMM (split by views after), and o: per layer, None for MLA layers.
-        self.qkv: list[PackedLinear | None] = []
-        self.o: list[PackedLinear | None] = []
-        for layer in weights.layers:
-            a = layer.attention
-            if not isinstance(a, AttentionWeights):
-                self.qkv.append(None)
-                self.o.append(None)
-                continue
-            self.qkv.append(PackedLinear(torch.cat((a.q, a.k, a.v)), _cat_biases(a), pack))
-            self.o.append(PackedLinear(a.o, a.o_bias, pack))
-            a.o = self.o[-1].weight  # the same values; a packed layer may have relaid them (one copy, not two)
-        if weights.lm_head is not weights.embed:  # a tied head stays row-major for the embedding's lookups
-            weights.lm_head = self.lm_head.weight
+        self.lm_head, self.qkv, self.o = dense.lm_head, dense.qkv, dense.o
         self.qkv_sizes = (spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim,
                           spec.num_kv_heads * spec.head_dim)
         # The native CPU kernels' layer path: fp32 on the CPU (each step also asks for one torch thread).
@@ -94,12 +83,12 @@ class MoECausalLM:
             stacked = self.experts.stacked_experts(i) if self.spec.moe_layers[i] else None
             linears += [lin for pair in (stacked.packed if stacked else []) for lin in pair]
         built = set()
-        for lin in linears:
+        for lin in (lin for lin in linears if isinstance(lin, PackedLinear)):  # native layers build nothing
             key = (tuple(lin.weight.shape), lin.bias is None)
             if key not in built:
                 built.add(key)
                 lin.warm_up(max_tokens)
-        self.lm_head.warm_up(max_seqs)
+        self.lm_head.warm_up(max_seqs)  # a no-op for a native layer
 
     @property
     def kv_cache_tensors(self) -> list[torch.Tensor]:
@@ -144,7 +133,8 @@ class MoECausalLM:
         (offload providers and MLA keep every row)."""
         layer = self.w.layers[i]
         return isinstance(layer.attention, AttentionWeights) and (
-            layer.dense_mlp is not None or self.experts.stacked_experts(i) is not None)
+            layer.dense_mlp is not None or self.experts.stacked_experts(i) is not None
+            or self.experts.native_experts(i) is not None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -216,7 +206,10 @@ class MoECausalLM:
             return swiglu(x, layer.dense_mlp.gate_up, layer.dense_mlp.down)
         routing = route(self.spec, x, layer.router, layer.router_bias)  # type: ignore[arg-type]
         stacked = self.experts.stacked_experts(i)
-        if stacked is not None:
+        native = self.experts.native_experts(i)
+        if native is not None and cpu_kernels.usable(x):
+            out = native_moe_forward(x, i, routing, native, ctx)
+        elif stacked is not None:
             out = fused_moe_forward(x, i, routing, stacked, ctx)
         else:
             out = moe_forward(x, i, routing, self.experts, ctx)
@@ -226,12 +219,3 @@ class MoECausalLM:
                 shared = torch.sigmoid(F.linear(x, layer.shared_expert_gate)) * shared
             out = out + shared
         return out
-
-
-def _cat_biases(a: AttentionWeights) -> torch.Tensor | None:
-    """q, k and v biases as one (zeros for any a family leaves out), or None when none has one."""
-    if a.q_bias is None and a.k_bias is None and a.v_bias is None:
-        return None
-    parts = [b if b is not None else w.new_zeros(w.shape[0]) for w, b in ((a.q, a.q_bias), (a.k, a.k_bias),
-                                                                        (a.v, a.v_bias))]
-    return torch.cat(parts)

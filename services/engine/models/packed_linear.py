@@ -69,7 +69,7 @@ def should_pack(device: str, dtype: torch.dtype) -> bool:
     """Pack when oneDNN runs here and torch's threads leave a core free. oneDNN parallelises every call, even
     one-row GEMMs; with a thread on every core, any other busy process stalls each call's barrier for a
     scheduler slice (measured: decode steps 8 -> 430 ms with 2 threads on 2 cores while another job ran). The
-    serving core runs one core short (engine_core.core_threads); offline runs with every thread keep MKL."""
+    serving core runs one core short (cpu_threads.core_threads); offline runs with every thread keep MKL."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux

@@ -1,6 +1,5 @@
-"""x @ W.T for a PackedMatrix with torch's weight-only kernels (chosen in bench/results/quant_kernels.md).
-
-The kernels run with bf16 activations: their fp32-activation CPU paths are 10-100x slower (unvectorised).
+"""x @ W.T for a PackedMatrix: the native kernels on the CPU (cpu_kernels/formats.py), torch's weight-only
+kernels on CUDA (chosen in bench/results/quant_kernels.md; they take bf16 activations).
 """
 
 from __future__ import annotations
@@ -8,17 +7,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from services.engine.cpu_kernels import formats
 from services.engine.quant.packed import PackedMatrix
 
 
 def packed_linear(x: torch.Tensor, m: PackedMatrix) -> torch.Tensor:
+    if m.on_cpu:
+        return formats.matmul(x, m.cpu_matrix()).to(x.dtype)
     xs = x.to(m.scales.dtype)
     if m.bits == 8:
         y = torch.ops.aten._weight_int8pack_mm(xs, m.qweight, m.scales)
-    elif x.is_cuda:
-        y = torch.ops.aten._weight_int4pack_mm(xs, m.qweight, m.group_size, m.scales)
     else:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xs, m.qweight, m.group_size, m.scales)
+        y = torch.ops.aten._weight_int4pack_mm(xs, m.qweight, m.group_size, m.scales)
     return y.to(x.dtype)
 
 

@@ -71,7 +71,7 @@ class QuantizedExpertLayout:
     def _matrix(self, name: str, flat: torch.Tensor) -> PackedMatrix:
         qweight, scales = self.pieces[name]
         return PackedMatrix(self.scheme.bits, self.scheme.group_size, self.shapes[name],
-                            qweight.view(flat), scales.view(flat))
+                            qweight.view(flat), scales.view(flat), on_cpu=self.device.type == "cpu")
 
 
 def expert_layout(

@@ -1,15 +1,17 @@
-"""A quantized matrix in the layout torch's weight-only matmul kernels take on the compute device.
+"""A quantized matrix in the layout the compute device's kernels take: torch's weight-only kernels on CUDA,
+the native kernels' (cpu_kernels/formats.py) on the CPU.
 
-The layout differs between CPU and CUDA (each kernel has its own int4 tiling) but never in size, so the host
-store keeps the compute device's layout and a transfer is a plain byte copy.
+The layouts differ between CPU and CUDA (each kernel has its own int4 tiling) but their sizes barely do, so
+the host store keeps the compute device's layout and a transfer is a plain byte copy.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from services.engine.cpu_kernels import formats
 from services.engine.quant.groupwise import quantize_int4, quantize_int8
 
 SCALE_DTYPE = torch.bfloat16  # what the kernels take (CUDA's int4 kernel accepts nothing else)
@@ -33,11 +35,19 @@ class PackedMatrix:
     group_size: int
     shape: tuple[int, int]  # (out, in) of the float matrix
     qweight: torch.Tensor
-    scales: torch.Tensor  # int4: [in/g, out, 2] (scale, zero); int8: [out]
+    scales: torch.Tensor  # CUDA int4: [in/g, out, 2] (scale, zero); int8: [out]; CPU: see formats
+    on_cpu: bool = False  # in the native CPU kernels' layout (else torch's CUDA one)
+    _cpu: formats.CpuMatrix | None = field(default=None, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales))
+
+    def cpu_matrix(self) -> formats.CpuMatrix:
+        """The same bytes as the native kernels' matrix (made once: it holds their pointers)."""
+        if self._cpu is None:
+            self._cpu = formats.CpuMatrix(f"int{self.bits}", self.shape, self.qweight, self.scales, self.group_size)
+        return self._cpu
 
 
 def _int4_inner_k_tiles(k: int) -> int:
@@ -51,6 +61,9 @@ def pack_matrix(w: torch.Tensor, scheme: QuantScheme, device: torch.device | str
     """Quantizes a float [out, in] matrix (round-to-nearest) into the kernel layout of `device`."""
     device = torch.device(device)
     n, k = w.shape
+    if device.type == "cpu":
+        m = formats.pack(w, f"int{scheme.bits}", scheme.group_size)
+        return PackedMatrix(scheme.bits, scheme.group_size, (n, k), m.weight, m.scales, on_cpu=True)
     if scheme.bits == 8:
         q, scale = quantize_int8(w)
         return PackedMatrix(8, scheme.group_size, (n, k), q.to(device), scale.to(device, SCALE_DTYPE))
@@ -63,12 +76,12 @@ def pack_int4(
 ) -> PackedMatrix:
     """q int [out, in] in 0..15, scale and zero [out, in/g]: w = (q - 8) * scale + zero."""
     n, k = q.shape
+    if device.type == "cpu":
+        m = formats.from_int4(q, scale, zero, group_size)
+        return PackedMatrix(4, group_size, (n, k), m.weight, m.scales, on_cpu=True)
     scales = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(device, SCALE_DTYPE)
-    if device.type == "cuda":
-        nibbles = (q[:, ::2] << 4 | q[:, 1::2]).to(device, torch.uint8)
-        qweight = torch.ops.aten._convert_weight_to_int4pack(nibbles, _int4_inner_k_tiles(k))
-    else:
-        qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+    nibbles = (q[:, ::2] << 4 | q[:, 1::2]).to(device, torch.uint8)
+    qweight = torch.ops.aten._convert_weight_to_int4pack(nibbles, _int4_inner_k_tiles(k))
     return PackedMatrix(4, group_size, (n, k), qweight, scales)
 
 

@@ -1,0 +1,178 @@
+"""Weight formats of the native CPU matmul (matmul.c): how a float [N, K] matrix is packed for each, and the
+one call that multiplies by it on the kernels' thread pool.
+
+  fp32  float [N, K]                      bf16  bf16 [N, K]
+  int8  uint8 [N, K] = q + 128 (q in -127..127), float scale [N]: w = q * scale
+  int4  uint8 [N, K / 2] (per 64 inputs, byte j: input j low, input j + 32 high; a last 32: j and j + 16),
+        bf16 [N, 2, K / g]: each group's scale, then its zero: w = (q - 8) * scale + zero
+
+The int8 / int4 grids are quant/groupwise's (round to nearest): the same weights torch's kernels computed on.
+Where the library is not built, `matmul` dequantizes and runs torch (slow, same values up to the
+activations' rounding).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from services.engine import cpu_kernels
+from services.engine.quant.groupwise import quantize_int4, quantize_int8
+
+FORMAT_IDS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3}
+INT8_BLOCK = 64  # matmul.c's QB: inputs per activation scale under int8 weights
+
+
+class _NativeMatrix(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in ("format", "group", "N", "K")] + [
+        (name, ctypes.c_void_p) for name in ("w", "scales", "bias")]
+
+
+@dataclass
+class CpuMatrix:
+    """A [N, K] matrix in one of FORMAT_IDS, on the CPU, in the layout matmul.c reads."""
+
+    format: str
+    shape: tuple[int, int]  # (N, K) of the float matrix
+    weight: torch.Tensor
+    scales: torch.Tensor | None = None
+    group: int = 0  # int4: inputs per (scale, zero)
+    bias: torch.Tensor | None = None
+    _native: _NativeMatrix | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.scales) if t is not None)
+
+    def native(self) -> _NativeMatrix:
+        """The struct matmul.c takes (built once: its pointers are this object's tensors')."""
+        if self._native is None:
+            n, k = self.shape
+            self._native = _NativeMatrix(
+                FORMAT_IDS[self.format], self.group, n, k, self.weight.data_ptr(),
+                None if self.scales is None else self.scales.data_ptr(),
+                None if self.bias is None else self.bias.data_ptr())
+        return self._native
+
+
+def native_widths(fmt: str, k: int, group: int = 0) -> bool:
+    """Whether matmul.c's kernels take this input width (vectors of 64 inputs; int4 groups of 64s)."""
+    return k % 64 == 0 and (fmt != "int4" or group % 64 == 0)
+
+
+def pack(w: torch.Tensor, fmt: str, group: int = 64, bias: torch.Tensor | None = None) -> CpuMatrix:
+    """Packs a float [N, K] matrix (any float dtype) into `fmt`."""
+    n, k = w.shape
+    bias = None if bias is None else bias.float().contiguous()
+    if fmt == "fp32":
+        return CpuMatrix(fmt, (n, k), w.float().contiguous(), bias=bias)
+    if fmt == "bf16":
+        return CpuMatrix(fmt, (n, k), w.to(torch.bfloat16).contiguous(), bias=bias)
+    if fmt == "int8":
+        q, scale = quantize_int8(w)
+        return from_int8(q, scale, bias)
+    if fmt == "int4":
+        q, scale, zero = quantize_int4(w, group)
+        return from_int4(q, scale, zero, group, bias)
+    raise ValueError(f"unknown CPU weight format {fmt!r}: use {', '.join(FORMAT_IDS)}")
+
+
+def from_int8(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> CpuMatrix:
+    """q int8 [N, K] in -127..127, scale [N]: w = q * scale."""
+    weight = (q.to(torch.int16) + 128).to(torch.uint8).contiguous()
+    return CpuMatrix("int8", tuple(q.shape), weight, scale.float().contiguous(), bias=bias)
+
+
+def from_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
+              bias: torch.Tensor | None = None) -> CpuMatrix:
+    """q int [N, K] in 0..15, scale and zero [N, K / group]: w = (q - 8) * scale + zero."""
+    n, k = q.shape
+    weight = torch.cat([_nibbles(part) for part in _chunks(q.to(torch.uint8))], dim=1).contiguous()
+    scales = torch.stack((scale, zero), dim=1).to(torch.bfloat16).contiguous()  # [N, 2, G]
+    return CpuMatrix("int4", (n, k), weight, scales, group, bias)
+
+
+def _chunks(t: torch.Tensor, width: int = 64) -> list[torch.Tensor]:
+    """Columns in chunks of `width` ([N, c, width]), and the last half-width chunk when there is one."""
+    n, k = t.shape
+    main = k - k % width
+    parts = [t[:, :main].reshape(n, main // width, width)]
+    if k % width:
+        parts.append(t[:, main:].reshape(n, 1, width // 2))
+    return parts
+
+
+def _nibbles(chunks: torch.Tensor) -> torch.Tensor:
+    """[N, c, w] values in 0..15 -> [N, c * w / 2] bytes: input j low, input j + w / 2 high."""
+    n, c, w = chunks.shape
+    return (chunks[..., : w // 2] | (chunks[..., w // 2 :] << 4)).reshape(n, c * w // 2)
+
+
+def dequantize(m: CpuMatrix) -> torch.Tensor:
+    """The float [N, K] matrix the format stands for (fp32)."""
+    n, k = m.shape
+    if m.format in ("fp32", "bf16"):
+        return m.weight.float()
+    if m.format == "int8":
+        return (m.weight.to(torch.int16) - 128).float() * m.scales[:, None]  # type: ignore[index]
+    bytes_ = _chunks(m.weight, 32)
+    q = torch.cat([torch.stack((b & 15, b >> 4), dim=2).reshape(n, -1) for b in bytes_], dim=1)
+    q = q.view(n, k // m.group, m.group).float()
+    scale, zero = m.scales.float().unbind(1)  # type: ignore[union-attr]
+    return ((q - 8) * scale[..., None] + zero[..., None]).view(n, k)
+
+
+def matmul(x: torch.Tensor, m: CpuMatrix, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (fp32; rows may be strided) @ m^T (+ bias) -> fp32 [M, N], written into `out` when given."""
+    rows, (n, k) = x.shape[0], m.shape
+    lib = cpu_kernels.library()
+    if lib is None or not native_widths(m.format, k, m.group):
+        y = F.linear(x.float(), dequantize(m), m.bias)
+        return y if out is None else out.copy_(y)
+    if x.dtype != torch.float32 or x.stride(-1) != 1:
+        x = x.float().contiguous()
+    if out is None:
+        out = torch.empty(rows, n)
+    if lib.hs_linear(ctypes.byref(m.native()), x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), rows):
+        raise MemoryError("native matmul: out of memory for its activation scratch")
+    return out
+
+
+def as_cpu_matrix(w: torch.Tensor | object) -> CpuMatrix | None:
+    """A weight the engine already holds (a dense [N, K] tensor or a CPU-layout PackedMatrix), seen as the
+    native kernels' matrix without a copy; None when the kernels cannot read it in place."""
+    if isinstance(w, torch.Tensor):
+        fmt = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(w.dtype)
+        if fmt is None or w.device.type != "cpu" or w.dim() != 2 or not w.is_contiguous():
+            return None
+        matrix = CpuMatrix(fmt, tuple(w.shape), w)
+    elif getattr(w, "on_cpu", False):
+        matrix = w.cpu_matrix()  # type: ignore[attr-defined]
+    else:
+        return None
+    return matrix if native_widths(matrix.format, matrix.shape[1], matrix.group) else None
+
+
+def native_array(matrices: list[CpuMatrix]) -> ctypes.Array:
+    """The matrices as one C array (matmul.c's hs_matrix[]): what hs_moe takes per layer."""
+    return (_NativeMatrix * len(matrices))(*(m.native() for m in matrices))
+
+
+def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: ctypes.Array, down: ctypes.Array,
+        hidden: int) -> torch.Tensor:
+    """Each token's top-k experts (ids, weights [T, k]) on x [T, H], weighted and summed, in one native call."""
+    x = x if x.dtype == torch.float32 and x.stride(-1) == 1 else x.float().contiguous()
+    ids = ids.to(torch.int64).contiguous()
+    weights = weights.to(torch.float32).contiguous()
+    out = torch.empty(x.shape[0], hidden)
+    status = cpu_kernels.library().hs_moe(  # type: ignore[union-attr]
+        gate_up, down, len(gate_up), x.data_ptr(), x.stride(0), x.shape[0], ids.data_ptr(), weights.data_ptr(),
+        ids.shape[1], out.data_ptr())
+    if status == -1:
+        raise ValueError(f"expert id out of range 0..{len(gate_up) - 1}")
+    if status:
+        raise MemoryError("native MoE: out of memory for its scratch")
+    return out

@@ -1,0 +1,44 @@
+/* What matmul.c and moe.c share: the weight formats (see matmul.c), prepared activations, the pool. */
+#ifndef HS_H
+#define HS_H
+#include <stdint.h>
+
+typedef void (*hs_task)(void *ctx, int64_t item);
+void hs_parallel(hs_task fn, void *ctx, int64_t n_items);
+int hs_threads(void);
+
+enum { F32 = 0, BF16 = 1, Q8 = 2, Q4 = 3 };
+#define QB 64    /* Q8's activation block */
+#define MB 4     /* activation rows per pass over a weight row */
+#define NCHUNK 16 /* weight rows per work item */
+
+typedef struct {
+    int64_t format, group, N, K;
+    const void *w;
+    const void *scales; /* Q8: float [N]; Q4: bf16 [N, 2, G] */
+    const float *bias;  /* [N] or NULL */
+} hs_matrix;
+
+/* Activations as a format reads them: x itself (F32), bf16 rows, or int8 rows with per-block scales. */
+typedef struct {
+    int64_t M, K;
+    const float *f32;
+    int64_t ld;        /* f32's row stride */
+    uint16_t *bf16;    /* [M, K] */
+    int8_t *q;         /* [M, K] */
+    float *d;          /* [M, K / block]: each block's scale */
+    float *dsum;       /* [M, K / block]: scale * sum of the block's int8 values */
+    float *corr;       /* Q8: [M] 128 * sum over blocks of dsum */
+    int64_t format, block;
+} acts;
+
+
+int64_t hs_acts_bytes(const hs_matrix *W, int64_t M);
+void hs_acts_init(const hs_matrix *W, const float *x, int64_t ldx, int64_t M, char *scratch, acts *a);
+void hs_acts_fill(acts *a, int64_t m0, int64_t m1);
+void hs_rows_block(const hs_matrix *W, const acts *a, const int64_t *rows, int64_t M, int64_t n0, int64_t n1,
+                   float *y, int64_t ldy);
+char *hs_scratch(int64_t bytes);
+const int64_t *hs_identity_rows(int64_t M);
+char *align64(char *p);
+#endif

@@ -1,0 +1,360 @@
+/* y[M, N] = x[M, K] @ W[N, K]^T for weights in four formats, on the thread pool: the dense layers and the
+ * experts of a CPU model, and the host's experts in hybrid execution.
+ *
+ * Decode is bound by reading W, so each format is read once per call, in place, at the width of one cache
+ * line per vector: every output row is a dot product over K of one contiguous weight row, and that row serves
+ * up to MB activation rows from registers. Formats (the layouts cpu_kernels/formats.py packs):
+ *   F32  float [N, K]
+ *   BF16 bf16 [N, K]; activations rounded to bf16 (vdpbf16ps where the CPU has it, as llama.cpp's BF16 does)
+ *   Q8   uint8 [N, K] holding w + 128, one float scale per row; activations int8 per block of 64
+ *   Q4   uint8 [N, K/2], per 64 inputs byte j holds input j (low nibble) and j + 32 (high); bf16 [N, 2, G]
+ *        holds each group's scale then zero (w = (q - 8) * scale + zero, G = K / group); activations int8
+ *        per group.
+ * The integer formats multiply unsigned weights by signed int8 activations (vpdpbusd); the weights' offset
+ * (128, or 8 with the zero) is folded into one correction per activation row or group, computed once.
+ * Widths: K a multiple of 64 (of the group for Q4), any N. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "hs.h"
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
+/* ---- activation preparation (once per call, O(M K)) ---- */
+
+static void quantize_row(const float *x, int64_t K, int64_t block, int8_t *q, float *d, float *dsum) {
+    for (int64_t b = 0; b < K / block; b++) {
+        const float *xb = x + b * block;
+        float amax = 0.0f;
+        for (int64_t i = 0; i < block; i++)
+            amax = fmaxf(amax, fabsf(xb[i]));
+        float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t sum = 0;
+        for (int64_t i = 0; i < block; i++) {
+            int32_t v = (int32_t)lrintf(xb[i] * inv);
+            v = v > 127 ? 127 : (v < -127 ? -127 : v);
+            q[b * block + i] = (int8_t)v;
+            sum += v;
+        }
+        d[b] = scale;
+        dsum[b] = scale * (float)sum;
+    }
+}
+
+static int64_t act_block(const hs_matrix *W) { return W->format == Q4 ? W->group : QB; }
+
+/* Bytes of scratch hs_acts_init needs for M rows of width K. */
+int64_t hs_acts_bytes(const hs_matrix *W, int64_t M) {
+    int64_t K = W->K;
+    if (W->format == F32)
+        return 0;
+    if (W->format == BF16)
+        return M * K * 2 + 64;
+    int64_t blocks = K / act_block(W);
+    return M * K + 2 * M * blocks * 4 + M * 4 + 4 * 64;
+}
+
+char *align64(char *p) { return (char *)(((uintptr_t)p + 63) & ~(uintptr_t)63); }
+
+void hs_acts_init(const hs_matrix *W, const float *x, int64_t ldx, int64_t M, char *scratch, acts *a) {
+    int64_t K = W->K, blocks = K / act_block(W);
+    memset(a, 0, sizeof *a);
+    a->M = M;
+    a->K = K;
+    a->f32 = x;
+    a->ld = ldx;
+    a->format = W->format;
+    a->block = act_block(W);
+    if (W->format == BF16)
+        a->bf16 = (uint16_t *)align64(scratch);
+    if (W->format != Q8 && W->format != Q4)
+        return;
+    a->q = (int8_t *)align64(scratch);
+    a->d = (float *)align64((char *)(a->q + M * K));
+    a->dsum = (float *)align64((char *)(a->d + M * blocks));
+    a->corr = (float *)align64((char *)(a->dsum + M * blocks));
+}
+
+/* Converts activation rows [m0, m1) (x's, as hs_acts_init was given) to the form the format reads. */
+void hs_acts_fill(acts *a, int64_t m0, int64_t m1) {
+    int64_t K = a->K, blocks = a->q ? K / a->block : 0;
+    for (int64_t m = m0; m < m1; m++) {
+        const float *x = a->f32 + m * a->ld;
+        if (a->bf16) {
+            for (int64_t k = 0; k < K; k++)
+                a->bf16[m * K + k] = f32_to_bf16(x[k]);
+        } else if (a->q) {
+            quantize_row(x, K, a->block, a->q + m * K, a->d + m * blocks, a->dsum + m * blocks);
+            float c = 0.0f;
+            for (int64_t b = 0; b < blocks; b++)
+                c += a->dsum[m * blocks + b];
+            a->corr[m] = 128.0f * c;
+        }
+    }
+}
+
+/* ---- one weight row against up to MB activation rows ---- */
+
+#if defined(__AVX512F__)
+static inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
+#endif
+
+static void dot_f32(const hs_matrix *W, const acts *a, const int64_t *rows, int64_t mm, int64_t n, float *out) {
+    const float *w = (const float *)W->w + n * W->K;
+    int64_t K = W->K;
+#if defined(__AVX512F__)
+    __m512 acc[MB];
+    for (int64_t r = 0; r < mm; r++)
+        acc[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        __m512 wv = _mm512_loadu_ps(w + k);
+        for (int64_t r = 0; r < mm; r++)
+            acc[r] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(a->f32 + rows[r] * a->ld + k), acc[r]);
+    }
+    for (int64_t r = 0; r < mm; r++)
+        out[r] = hsum512(acc[r]);
+#else
+    for (int64_t r = 0; r < mm; r++) {
+        const float *x = a->f32 + rows[r] * a->ld;
+        float s[16] = {0};
+        for (int64_t k = 0; k < K; k += 16)
+            for (int i = 0; i < 16; i++)
+                s[i] += w[k + i] * x[k + i];
+        float t = 0.0f;
+        for (int i = 0; i < 16; i++)
+            t += s[i];
+        out[r] = t;
+    }
+#endif
+}
+
+static void dot_bf16(const hs_matrix *W, const acts *a, const int64_t *rows, int64_t mm, int64_t n, float *out) {
+    const uint16_t *w = (const uint16_t *)W->w + n * W->K;
+    int64_t K = W->K;
+#if defined(__AVX512BF16__)
+    __m512 acc[MB];
+    for (int64_t r = 0; r < mm; r++)
+        acc[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
+        for (int64_t r = 0; r < mm; r++)
+            acc[r] = _mm512_dpbf16_ps(acc[r], wv, (__m512bh)_mm512_loadu_si512(a->bf16 + rows[r] * K + k));
+    }
+    for (int64_t r = 0; r < mm; r++)
+        out[r] = hsum512(acc[r]);
+#elif defined(__AVX512F__)
+    __m512 acc[MB];
+    for (int64_t r = 0; r < mm; r++)
+        acc[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        __m512 wv = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + k))), 16));
+        for (int64_t r = 0; r < mm; r++) {
+            __m512 xv = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(a->bf16 + rows[r] * K + k))), 16));
+            acc[r] = _mm512_fmadd_ps(wv, xv, acc[r]);
+        }
+    }
+    for (int64_t r = 0; r < mm; r++)
+        out[r] = hsum512(acc[r]);
+#else
+    for (int64_t r = 0; r < mm; r++) {
+        const uint16_t *x = a->bf16 + rows[r] * K;
+        float s[16] = {0};
+        for (int64_t k = 0; k < K; k += 16)
+            for (int i = 0; i < 16; i++)
+                s[i] += bf16_to_f32(w[k + i]) * bf16_to_f32(x[k + i]);
+        float t = 0.0f;
+        for (int i = 0; i < 16; i++)
+            t += s[i];
+        out[r] = t;
+    }
+#endif
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define HAVE_VNNI512 1
+#endif
+
+static void dot_q8(const hs_matrix *W, const acts *a, const int64_t *rows, int64_t mm, int64_t n, float *out) {
+    int64_t K = W->K, blocks = K / QB;
+    const uint8_t *w = (const uint8_t *)W->w + n * K;
+    float ws = ((const float *)W->scales)[n];
+#if defined(HAVE_VNNI512)
+    __m512 acc[MB];
+    for (int64_t r = 0; r < mm; r++)
+        acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        __m512i wv = _mm512_loadu_si512(w + b * QB);
+        for (int64_t r = 0; r < mm; r++) {
+            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv,
+                                              _mm512_loadu_si512(a->q + rows[r] * K + b * QB));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(a->d[rows[r] * blocks + b]), acc[r]);
+        }
+    }
+    for (int64_t r = 0; r < mm; r++)
+        out[r] = ws * (hsum512(acc[r]) - a->corr[rows[r]]);
+#else
+    for (int64_t r = 0; r < mm; r++) {
+        const int8_t *x = a->q + rows[r] * K;
+        const float *d = a->d + rows[r] * blocks;
+        float t = 0.0f;
+        for (int64_t b = 0; b < blocks; b++) {
+            int32_t s = 0;
+            for (int i = 0; i < QB; i++)
+                s += (int32_t)w[b * QB + i] * x[b * QB + i];
+            t += d[b] * (float)s;
+        }
+        out[r] = ws * (t - a->corr[rows[r]]);
+    }
+#endif
+}
+
+static void dot_q4(const hs_matrix *W, const acts *a, const int64_t *rows, int64_t mm, int64_t n, float *out) {
+    int64_t K = W->K, g = W->group, G = K / g;
+    const uint8_t *w = (const uint8_t *)W->w + n * (K / 2);
+    const uint16_t *sz = (const uint16_t *)W->scales + n * 2 * G;
+    float scale[G];
+    float bias[MB] = {0};
+    for (int64_t j = 0; j < G; j++) {
+        scale[j] = bf16_to_f32(sz[j]);
+        float m = bf16_to_f32(sz[G + j]) - 8.0f * scale[j]; /* the offset's and the zero's share, per group */
+        for (int64_t r = 0; r < mm; r++)
+            bias[r] += m * a->dsum[rows[r] * G + j];
+    }
+#if defined(HAVE_VNNI512)
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    __m512 acc[MB];
+    for (int64_t r = 0; r < mm; r++)
+        acc[r] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < G; j++) {
+        __m512i dot[MB];
+        for (int64_t r = 0; r < mm; r++)
+            dot[r] = _mm512_setzero_si512();
+        for (int64_t c = 0; c < g; c += 64) {
+            __m256i packed = _mm256_loadu_si256((const __m256i *)(w + (j * g + c) / 2));
+            __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(packed, low)),
+                                            _mm256_and_si256(_mm256_srli_epi16(packed, 4), low), 1);
+            for (int64_t r = 0; r < mm; r++)
+                dot[r] = _mm512_dpbusd_epi32(dot[r], wv, _mm512_loadu_si512(a->q + rows[r] * K + j * g + c));
+        }
+        for (int64_t r = 0; r < mm; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_set1_ps(scale[j] * a->d[rows[r] * G + j]),
+                                     acc[r]);
+    }
+    for (int64_t r = 0; r < mm; r++)
+        out[r] = hsum512(acc[r]) + bias[r];
+#else
+    for (int64_t r = 0; r < mm; r++) {
+        const int8_t *x = a->q + rows[r] * K;
+        float t = 0.0f;
+        for (int64_t j = 0; j < G; j++) {
+            int32_t s = 0;
+            for (int64_t c = 0; c < g; c += 64)
+                for (int i = 0; i < 32; i++) {
+                    uint8_t byte = w[(j * g + c) / 2 + i];
+                    s += (int32_t)(byte & 15) * x[j * g + c + i] + (int32_t)(byte >> 4) * x[j * g + c + 32 + i];
+                }
+            t += scale[j] * a->d[rows[r] * G + j] * (float)s;
+        }
+        out[r] = t + bias[r];
+    }
+#endif
+}
+
+typedef void (*dot_fn)(const hs_matrix *, const acts *, const int64_t *, int64_t, int64_t, float *);
+static const dot_fn DOTS[4] = {dot_f32, dot_bf16, dot_q8, dot_q4};
+
+/* Rows [n0, n1) of W against the activation rows listed in `rows` (M of them), into y[i * ldy + n]. */
+void hs_rows_block(const hs_matrix *W, const acts *a, const int64_t *rows, int64_t M, int64_t n0, int64_t n1,
+                       float *y, int64_t ldy) {
+    dot_fn dot = DOTS[W->format];
+    float out[MB];
+    for (int64_t n = n0; n < n1; n++) {
+        float bias = W->bias ? W->bias[n] : 0.0f;
+        for (int64_t m = 0; m < M; m += MB) {
+            int64_t mm = M - m < MB ? M - m : MB;
+            dot(W, a, rows + m, mm, n, out);
+            for (int64_t r = 0; r < mm; r++)
+                y[(m + r) * ldy + n] = out[r] + bias;
+        }
+    }
+}
+
+/* ---- dense: one matrix ---- */
+
+typedef struct {
+    const hs_matrix *W;
+    const acts *a;
+    const int64_t *rows;
+    float *y;
+    int64_t ldy;
+} linear_job;
+
+static void linear_item(void *ctx, int64_t item) {
+    linear_job *j = ctx;
+    int64_t n0 = item * NCHUNK, n1 = n0 + NCHUNK < j->W->N ? n0 + NCHUNK : j->W->N;
+    hs_rows_block(j->W, j->a, j->rows, j->a->M, n0, n1, j->y, j->ldy);
+}
+
+static __thread char *tls_scratch;
+static __thread int64_t tls_scratch_bytes;
+static __thread int64_t *tls_rows;
+static __thread int64_t tls_rows_len;
+
+char *hs_scratch(int64_t bytes) {
+    if (bytes > tls_scratch_bytes) {
+        free(tls_scratch);
+        tls_scratch = malloc(bytes);
+        tls_scratch_bytes = tls_scratch ? bytes : 0;
+    }
+    return tls_scratch;
+}
+
+const int64_t *hs_identity_rows(int64_t M) {
+    if (M > tls_rows_len) {
+        free(tls_rows);
+        tls_rows = malloc(M * sizeof *tls_rows);
+        if (!tls_rows) {
+            tls_rows_len = 0;
+            return NULL;
+        }
+        for (int64_t i = 0; i < M; i++)
+            tls_rows[i] = i;
+        tls_rows_len = M;
+    }
+    return tls_rows;
+}
+
+/* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T + bias. Returns 0, or -1 when out of memory. */
+int hs_linear(const hs_matrix *W, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t M) {
+    char *buf = hs_scratch(hs_acts_bytes(W, M));
+    const int64_t *rows = hs_identity_rows(M);
+    if ((W->format != F32 && !buf) || !rows)
+        return -1;
+    acts a;
+    hs_acts_init(W, x, ldx, M, buf, &a);
+    hs_acts_fill(&a, 0, M);
+    linear_job job = {W, &a, rows, y, ldy};
+    hs_parallel(linear_item, &job, (W->N + NCHUNK - 1) / NCHUNK);
+    return 0;
+}

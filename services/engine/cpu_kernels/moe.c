@@ -1,0 +1,135 @@
+/* A MoE layer's routed experts in one call, for experts in any of matmul.c's formats (each its own gate_up
+ * [2I, H] and down [H, I] matrix, torch's Linear layout, as the host store and cache slots keep them).
+ *
+ * Why one call: per expert from Python, a decode step paid for grouping, gathers, two calls and a scatter per
+ * expert and layer, and every call was a pool barrier. Here the layer is three barriers on the pool whatever
+ * the expert count: every active expert's gate/up rows, then each assignment's SwiGLU (and its activations'
+ * quantization for down), then every active expert's down rows; the weighted sum per token runs last.
+ * Each expert's weights are read once per MB of its tokens. */
+#include <math.h>
+#include <string.h>
+
+#include "hs.h"
+
+typedef struct {
+    const hs_matrix *gate_up, *down;
+    const int64_t *expert_of; /* [active]: the expert of each active slot */
+    const int64_t *start;     /* [active + 1]: its assignments' range (grouped by expert, tokens ascending) */
+    const int64_t *token_of;  /* [A] */
+    const int64_t *items;     /* [active + 1]: work items per phase-1/3 slot, prefix sums */
+    const int64_t *identity; /* [A]: 0, 1, ... (down reads the assignments' own rows) */
+    int64_t active, I, H;
+    acts *in, *mid;
+    float *h, *act, *y; /* [A, 2I], [A, I], [A, H] */
+} moe_job;
+
+static int64_t slot_of(const moe_job *j, int64_t item) {
+    int64_t lo = 0, hi = j->active - 1;
+    while (lo < hi) { /* the last slot whose items start at or before `item` */
+        int64_t mid = (lo + hi + 1) / 2;
+        if (j->items[mid] <= item)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
+}
+
+static void gate_up_item(void *ctx, int64_t item) {
+    moe_job *j = ctx;
+    int64_t s = slot_of(j, item), n0 = (item - j->items[s]) * NCHUNK, n1 = n0 + NCHUNK;
+    const hs_matrix *W = &j->gate_up[j->expert_of[s]];
+    hs_rows_block(W, j->in, j->token_of + j->start[s], j->start[s + 1] - j->start[s], n0, n1 < W->N ? n1 : W->N,
+                  j->h + j->start[s] * 2 * j->I, 2 * j->I);
+}
+
+static void swiglu_item(void *ctx, int64_t a) {
+    moe_job *j = ctx;
+    const float *gate = j->h + a * 2 * j->I, *up = gate + j->I;
+    float *out = j->act + a * j->I;
+    for (int64_t i = 0; i < j->I; i++)
+        out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    hs_acts_fill(j->mid, a, a + 1);
+}
+
+static void down_item(void *ctx, int64_t item) {
+    moe_job *j = ctx;
+    int64_t s = slot_of(j, item), n0 = (item - j->items[s]) * NCHUNK, n1 = n0 + NCHUNK;
+    const hs_matrix *W = &j->down[j->expert_of[s]];
+    hs_rows_block(W, j->mid, j->identity + j->start[s], j->start[s + 1] - j->start[s],
+                  n0, n1 < W->N ? n1 : W->N, j->y + j->start[s] * j->H, j->H);
+}
+
+static int64_t up64(int64_t bytes) { return (bytes + 127) & ~(int64_t)63; }
+
+/* out[T, H] = sum over each token's top_k experts (ids, weights [T, top_k]) of weight * SwiGLU expert(x).
+ * gate_up, down: [E] matrices, one format and shape for all. Returns 0, -1 on an expert id out of range, -2
+ * when out of memory. */
+int hs_moe(const hs_matrix *gate_up, const hs_matrix *down, int64_t E, const float *x, int64_t ldx, int64_t T,
+           const int64_t *ids, const float *weights, int64_t top_k, float *out) {
+    int64_t A = T * top_k, H = down[0].N, I = down[0].K;
+    for (int64_t i = 0; i < A; i++)
+        if (ids[i] < 0 || ids[i] >= E)
+            return -1;
+    const int64_t *identity = hs_identity_rows(A);
+    if (!identity)
+        return -2;
+    int64_t in_bytes = up64(hs_acts_bytes(&gate_up[0], T)), mid_bytes = up64(hs_acts_bytes(&down[0], A));
+    int64_t ints = 4 * E + 2 + 2 * A;
+    int64_t bytes = in_bytes + mid_bytes + up64(ints * 8) + up64(A * 2 * I * 4) + up64(A * I * 4) + up64(A * H * 4);
+    char *base = hs_scratch(bytes);
+    if (!base)
+        return -2;
+    char *p = align64(base);
+    acts in, mid;
+    hs_acts_init(&gate_up[0], x, ldx, T, p, &in);
+    p += in_bytes;
+    char *mid_scratch = p;
+    p += mid_bytes;
+    int64_t *counts = (int64_t *)p, *expert_of = counts + E, *start = expert_of + E, *items = start + E + 1;
+    int64_t *token_of = items + E + 1, *pos = token_of + A;
+    p += up64(ints * 8);
+    float *h = (float *)p, *act = (float *)(p + up64(A * 2 * I * 4));
+    float *y = (float *)((char *)act + up64(A * I * 4));
+    hs_acts_init(&down[0], act, I, A, mid_scratch, &mid);
+    hs_acts_fill(&in, 0, T);
+
+    /* Counting sort of the assignments by expert, tokens ascending within each. */
+    memset(counts, 0, E * sizeof *counts);
+    for (int64_t i = 0; i < A; i++)
+        counts[ids[i]]++;
+    int64_t active = 0;
+    start[0] = 0;
+    items[0] = 0;
+    for (int64_t e = 0; e < E; e++) {
+        if (!counts[e])
+            continue;
+        expert_of[active] = e;
+        start[active + 1] = start[active] + counts[e];
+        items[active + 1] = items[active] + (2 * I + NCHUNK - 1) / NCHUNK;
+        counts[e] = start[active]; /* from here: the next free assignment of e */
+        active++;
+    }
+    for (int64_t i = 0; i < A; i++) {
+        int64_t a = counts[ids[i]]++;
+        token_of[a] = i / top_k;
+        pos[i] = a;
+    }
+    moe_job job = {gate_up, down, expert_of, start, token_of, items, identity, active, I, H, &in, &mid, h, act, y};
+    hs_parallel(gate_up_item, &job, items[active]);
+    hs_parallel(swiglu_item, &job, A);
+    for (int64_t s = 0; s < active; s++) /* down has H rows, not 2I */
+        items[s + 1] = items[s] + (H + NCHUNK - 1) / NCHUNK;
+    hs_parallel(down_item, &job, items[active]);
+    for (int64_t t = 0; t < T; t++) {
+        float *o = out + t * H;
+        memset(o, 0, H * sizeof *o);
+        for (int64_t k = 0; k < top_k; k++) {
+            const float *src = y + pos[t * top_k + k] * H;
+            float w = weights[t * top_k + k];
+            for (int64_t i = 0; i < H; i++)
+                o[i] += w * src[i];
+        }
+    }
+    return 0;
+}

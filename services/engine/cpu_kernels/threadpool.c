@@ -1,0 +1,134 @@
+/* One pool of worker threads for every native kernel: the caller plus (threads - 1) workers.
+ *
+ * Why our own and not OpenMP: torch ships its own OpenMP runtime, and a second one in this library would be a
+ * second pool spinning on the same cores. The engine runs torch on one intra-op thread while this pool is on
+ * (cpu_kernels.set_threads), so exactly one pool computes at a time.
+ *
+ * A job is n_items independent items handed out by an atomic counter (dynamic: a slow core takes fewer).
+ * Workers spin a short while after a job (decode steps call us back within microseconds), then sleep on a
+ * condition variable, so an idle engine burns no core. A second thread calling while a job runs (a host
+ * executor thread beside the serving loop) runs its job alone on its own thread rather than wait. */
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define CPU_RELAX() _mm_pause()
+#elif defined(__aarch64__)
+#define CPU_RELAX() __asm__ __volatile__("yield")
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
+#define MAX_THREADS 256
+#define SPIN_ROUNDS 20000 /* ~0.1-0.5 ms of pause before a worker sleeps */
+
+typedef void (*hs_task)(void *ctx, int64_t item);
+
+static struct {
+    int threads; /* including the caller */
+    pthread_t tids[MAX_THREADS];
+    _Atomic uint64_t generation;
+    _Atomic int64_t next;
+    _Atomic int pending; /* workers still in the current job */
+    _Atomic int sleeping;
+    _Atomic int stop;
+    int64_t n_items;
+    hs_task fn;
+    void *ctx;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    pthread_mutex_t busy; /* held by the thread whose job the workers run */
+} pool = {.threads = 1, .mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER,
+          .busy = PTHREAD_MUTEX_INITIALIZER};
+
+static void run_items(hs_task fn, void *ctx, int64_t n_items) {
+    for (int64_t i; (i = atomic_fetch_add_explicit(&pool.next, 1, memory_order_relaxed)) < n_items;)
+        fn(ctx, i);
+}
+
+static void *worker(void *arg) {
+    (void)arg;
+    uint64_t seen = atomic_load(&pool.generation);
+    for (;;) {
+        int spins = 0;
+        while (atomic_load_explicit(&pool.generation, memory_order_acquire) == seen && !atomic_load(&pool.stop)) {
+            if (++spins < SPIN_ROUNDS) {
+                CPU_RELAX();
+                continue;
+            }
+            pthread_mutex_lock(&pool.mu);
+            atomic_fetch_add(&pool.sleeping, 1);
+            while (atomic_load(&pool.generation) == seen && !atomic_load(&pool.stop))
+                pthread_cond_wait(&pool.cv, &pool.mu);
+            atomic_fetch_sub(&pool.sleeping, 1);
+            pthread_mutex_unlock(&pool.mu);
+        }
+        if (atomic_load(&pool.stop))
+            return NULL;
+        seen = atomic_load_explicit(&pool.generation, memory_order_acquire);
+        run_items(pool.fn, pool.ctx, pool.n_items);
+        atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_release);
+    }
+}
+
+static void stop_workers(void) {
+    pthread_mutex_lock(&pool.mu);
+    atomic_store(&pool.stop, 1);
+    pthread_cond_broadcast(&pool.cv);
+    pthread_mutex_unlock(&pool.mu);
+    for (int t = 1; t < pool.threads; t++)
+        pthread_join(pool.tids[t], NULL);
+    atomic_store(&pool.stop, 0);
+    pool.threads = 1;
+}
+
+/* Sets the pool's size (the caller counts as one); returns the size in force. */
+int hs_set_threads(int threads) {
+    if (threads < 1)
+        threads = 1;
+    if (threads > MAX_THREADS)
+        threads = MAX_THREADS;
+    pthread_mutex_lock(&pool.busy);
+    if (threads != pool.threads) {
+        stop_workers();
+        int started = 1;
+        for (; started < threads; started++)
+            if (pthread_create(&pool.tids[started], NULL, worker, NULL) != 0)
+                break;
+        pool.threads = started;
+    }
+    int in_force = pool.threads;
+    pthread_mutex_unlock(&pool.busy);
+    return in_force;
+}
+
+int hs_threads(void) { return pool.threads; }
+
+/* Runs fn(ctx, i) for i in [0, n_items) on the pool; returns when every item is done. */
+void hs_parallel(hs_task fn, void *ctx, int64_t n_items) {
+    if (n_items <= 0)
+        return;
+    if (pool.threads == 1 || n_items == 1 || pthread_mutex_trylock(&pool.busy) != 0) {
+        for (int64_t i = 0; i < n_items; i++)
+            fn(ctx, i);
+        return;
+    }
+    pool.fn = fn;
+    pool.ctx = ctx;
+    pool.n_items = n_items;
+    atomic_store_explicit(&pool.next, 0, memory_order_relaxed);
+    atomic_store_explicit(&pool.pending, pool.threads - 1, memory_order_relaxed);
+    atomic_fetch_add(&pool.generation, 1); /* seq_cst: pairs with a worker's sleeping++ then re-check */
+    if (atomic_load(&pool.sleeping) > 0) {
+        pthread_mutex_lock(&pool.mu);
+        pthread_cond_broadcast(&pool.cv);
+        pthread_mutex_unlock(&pool.mu);
+    }
+    run_items(fn, ctx, n_items);
+    while (atomic_load_explicit(&pool.pending, memory_order_acquire) > 0)
+        CPU_RELAX();
+    pthread_mutex_unlock(&pool.busy);
+}

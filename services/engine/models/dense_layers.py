@@ -1,0 +1,63 @@
+"""The dense layers of a model (each layer's fused q/k/v and o projections, the LM head) built once, right as
+the non-expert weights load and before the experts do, so their float copies are gone before the experts'
+memory is taken (peak RSS: the weights in their final formats, not those plus a float copy of the rest)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.engine import cpu_kernels
+from services.engine.models.native_linear import NativeLinear
+from services.engine.models.packed_linear import PackedLinear, should_pack
+from services.engine.models.weights import AttentionWeights, NonExpertWeights
+
+Linear = PackedLinear | NativeLinear
+
+# What a float matrix becomes once its layer holds it in its own format (the float copy is not kept).
+_RELEASED = torch.empty(0)
+
+
+@dataclass
+class DenseLayers:
+    lm_head: Linear
+    qkv: list[Linear | None]  # q, k and v as one GEMM (split by views after); None for MLA layers
+    o: list[Linear | None]
+
+
+def dense_layers(weights: NonExpertWeights, dense_format: str | None, group_size: int = 64) -> DenseLayers:
+    """dense_format (a CPU weight format, see native_linear): the layers run on the native kernels in that
+    format; None, or no kernels built: torch's (oneDNN-packed) path. The weights' float matrices are released
+    (or pointed at the layer's own copy), so each matrix is held once."""
+    device, dtype = weights.embed.device, weights.embed.dtype
+    native = dense_format is not None and device.type == "cpu" and cpu_kernels.library() is not None
+    pack = should_pack(str(device), dtype)
+
+    def linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        return NativeLinear(weight, bias, dense_format, group_size) if native else PackedLinear(weight, bias, pack)  # type: ignore[arg-type]
+
+    layers = DenseLayers(linear(weights.lm_head, None), [], [])
+    for layer in weights.layers:
+        a = layer.attention
+        if not isinstance(a, AttentionWeights):
+            layers.qkv.append(None)
+            layers.o.append(None)
+            continue
+        layers.qkv.append(linear(torch.cat((a.q, a.k, a.v)), _cat_biases(a)))
+        o = linear(a.o, a.o_bias)
+        layers.o.append(o)
+        a.q = a.k = a.v = _RELEASED
+        a.o = _RELEASED if o.weight is None else o.weight
+    if weights.lm_head is not weights.embed:  # a tied head stays row-major for the embedding's lookups
+        weights.lm_head = _RELEASED if layers.lm_head.weight is None else layers.lm_head.weight
+    return layers
+
+
+def _cat_biases(a: AttentionWeights) -> torch.Tensor | None:
+    """q, k and v biases as one (zeros for any a family leaves out), or None when none has one."""
+    if a.q_bias is None and a.k_bias is None and a.v_bias is None:
+        return None
+    parts = [b if b is not None else w.new_zeros(w.shape[0]) for w, b in ((a.q, a.q_bias), (a.k, a.k_bias),
+                                                                        (a.v, a.v_bias))]
+    return torch.cat(parts)
