@@ -32,7 +32,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("kernels.c", "threadpool.c", "matmul.c", "moe.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("kernels.c", "threadpool.c", "matmul.c", "rows.c", "moe.c")]
 HEADERS = [Path(__file__).with_name("hs.h")]
 _FLAG_SETS = (["-O3", "-march=native"], ["-O3"])  # the second where the compiler knows no -march=native
 _ROWS = 8  # kernels.c's ROWS: tokens per expert GEMM pass

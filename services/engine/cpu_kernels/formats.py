@@ -2,9 +2,12 @@
 one call that multiplies by it on the kernels' thread pool.
 
   fp32  float [N, K]                      bf16  bf16 [N, K]
-  int8  uint8 [N, K] = q + 128 (q in -127..127), float scale [N]: w = q * scale
-  int4  uint8 [N, K / 2] (per 64 inputs, byte j: input j low, input j + 32 high; a last 32: j and j + 16),
-        bf16 [N, 2, K / g]: each group's scale, then its zero: w = (q - 8) * scale + zero
+  int8  uint8 = q + 128 (q in -127..127) in tiles of 16 rows: [N/16, K/4, 16, 4]; float scale [N]:
+        w = q * scale
+  int4  uint8 in tiles of 16 rows: [N/16, K/8, 16, 4], byte (i, t) holding row i's inputs t (low nibble)
+        and 4 + t (high) of each 8; bf16 [N/16, 2, K/g, 16]: each group's scale, then its zero, per row:
+        w = (q - 8) * scale + zero
+  A tile is what one vector op reads (rows.c); N is padded to a whole tile with zero rows.
 
 The int8 / int4 grids are quant/groupwise's (round to nearest): the same weights torch's kernels computed on.
 Where the library is not built, `matmul` dequantizes and runs torch (slow, same values up to the
@@ -24,6 +27,7 @@ from services.engine.quant.groupwise import quantize_int4, quantize_int8
 
 FORMAT_IDS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3}
 INT8_BLOCK = 64  # matmul.c's QB: inputs per activation scale under int8 weights
+TILE = 16  # rows.c's TILE: weight rows interleaved per tile (int8, int4)
 
 
 class _NativeMatrix(ctypes.Structure):
@@ -59,8 +63,8 @@ class CpuMatrix:
 
 
 def native_widths(fmt: str, k: int, group: int = 0) -> bool:
-    """Whether matmul.c's kernels take this input width (vectors of 64 inputs; int4 groups of 64s)."""
-    return k % 64 == 0 and (fmt != "int4" or group % 64 == 0)
+    """Whether matmul.c's kernels take this input width (vectors of 64 inputs; int4: whole groups of 32s)."""
+    return k % 64 == 0 and (fmt != "int4" or group % 32 == 0)
 
 
 def pack(w: torch.Tensor, fmt: str, group: int = 64, bias: torch.Tensor | None = None) -> CpuMatrix:
@@ -82,33 +86,28 @@ def pack(w: torch.Tensor, fmt: str, group: int = 64, bias: torch.Tensor | None =
 
 def from_int8(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> CpuMatrix:
     """q int8 [N, K] in -127..127, scale [N]: w = q * scale."""
-    weight = (q.to(torch.int16) + 128).to(torch.uint8).contiguous()
-    return CpuMatrix("int8", tuple(q.shape), weight, scale.float().contiguous(), bias=bias)
+    n, k = q.shape
+    tiles = _padded(q.to(torch.int16) + 128, 128).to(torch.uint8).view(-1, TILE, k // 4, 4)
+    weight = tiles.transpose(1, 2).contiguous().view(-1, k)
+    return CpuMatrix("int8", (n, k), weight, _padded(scale.float(), 0.0), bias=bias)
 
 
 def from_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
               bias: torch.Tensor | None = None) -> CpuMatrix:
     """q int [N, K] in 0..15, scale and zero [N, K / group]: w = (q - 8) * scale + zero."""
     n, k = q.shape
-    weight = torch.cat([_nibbles(part) for part in _chunks(q.to(torch.uint8))], dim=1).contiguous()
-    scales = torch.stack((scale, zero), dim=1).to(torch.bfloat16).contiguous()  # [N, 2, G]
+    halves = _padded(q.to(torch.uint8), 8).view(-1, TILE, k // 8, 2, 4)
+    packed = halves[:, :, :, 0] | (halves[:, :, :, 1] << 4)  # [N/16, 16, K/8, 4]
+    weight = packed.transpose(1, 2).contiguous().view(-1, k // 2)
+    pair = torch.stack((_padded(scale.float(), 0.0), _padded(zero.float(), 0.0)), dim=1)  # [N', 2, G]
+    scales = pair.view(-1, TILE, 2, k // group).permute(0, 2, 3, 1).to(torch.bfloat16).contiguous()
     return CpuMatrix("int4", (n, k), weight, scales, group, bias)
 
 
-def _chunks(t: torch.Tensor, width: int = 64) -> list[torch.Tensor]:
-    """Columns in chunks of `width` ([N, c, width]), and the last half-width chunk when there is one."""
-    n, k = t.shape
-    main = k - k % width
-    parts = [t[:, :main].reshape(n, main // width, width)]
-    if k % width:
-        parts.append(t[:, main:].reshape(n, 1, width // 2))
-    return parts
-
-
-def _nibbles(chunks: torch.Tensor) -> torch.Tensor:
-    """[N, c, w] values in 0..15 -> [N, c * w / 2] bytes: input j low, input j + w / 2 high."""
-    n, c, w = chunks.shape
-    return (chunks[..., : w // 2] | (chunks[..., w // 2 :] << 4)).reshape(n, c * w // 2)
+def _padded(t: torch.Tensor, fill: float) -> torch.Tensor:
+    """t's rows followed by rows of `fill` up to a whole tile."""
+    extra = -t.shape[0] % TILE
+    return t if not extra else torch.cat((t, t.new_full((extra, *t.shape[1:]), fill)))
 
 
 def dequantize(m: CpuMatrix) -> torch.Tensor:
@@ -117,12 +116,14 @@ def dequantize(m: CpuMatrix) -> torch.Tensor:
     if m.format in ("fp32", "bf16"):
         return m.weight.float()
     if m.format == "int8":
-        return (m.weight.to(torch.int16) - 128).float() * m.scales[:, None]  # type: ignore[index]
-    bytes_ = _chunks(m.weight, 32)
-    q = torch.cat([torch.stack((b & 15, b >> 4), dim=2).reshape(n, -1) for b in bytes_], dim=1)
-    q = q.view(n, k // m.group, m.group).float()
-    scale, zero = m.scales.float().unbind(1)  # type: ignore[union-attr]
-    return ((q - 8) * scale[..., None] + zero[..., None]).view(n, k)
+        tiles = m.weight.view(-1, k // 4, TILE, 4).transpose(1, 2).reshape(-1, k)[:n]
+        return (tiles.to(torch.int16) - 128).float() * m.scales[:n, None]  # type: ignore[index]
+    packed = m.weight.view(-1, k // 8, TILE, 4).transpose(1, 2)  # [N/16, 16, K/8, 4]
+    q = torch.stack((packed & 15, packed >> 4), dim=3).reshape(-1, k)[:n].float()
+    pair = m.scales.float().permute(0, 3, 1, 2).reshape(-1, 2, k // m.group)[:n]  # type: ignore[union-attr]
+    scale, zero = pair[:, 0], pair[:, 1]
+    groups = q.view(n, k // m.group, m.group) - 8
+    return (groups * scale[..., None] + zero[..., None]).view(n, k)
 
 
 def matmul(x: torch.Tensor, m: CpuMatrix, out: torch.Tensor | None = None) -> torch.Tensor:

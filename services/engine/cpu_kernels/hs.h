@@ -9,7 +9,7 @@ int hs_threads(void);
 
 enum { F32 = 0, BF16 = 1, Q8 = 2, Q4 = 3 };
 #define QB 64    /* Q8's activation block */
-#define MB 4     /* activation rows per pass over a weight row */
+#define MB 8     /* activation rows per pass over a weight row (rows.c unrolls 1..MB) */
 #define NCHUNK 16 /* weight rows per work item */
 
 typedef struct {

@@ -1,0 +1,260 @@
+/* The inner loops: weight rows [n0, n1) of one matrix against prepared activation rows (formats: matmul.c).
+ *
+ * Each weight row is read once from memory and serves every activation row, MB at a time from registers; MB is
+ * a compile-time constant in each loop (`ROWS_SWITCH`), so the accumulators live in registers (with the count
+ * known only at run time they went through the stack, a store-load chain per step: 29 cycles per 64 int8
+ * weights). int8 and int4 run a tile of TILE rows at a time (below). */
+#include <stdint.h>
+#include <string.h>
+
+#include "hs.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX512F__)
+#define HAVE_AVX512 1
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define HAVE_VNNI512 1
+#endif
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE float bf16f(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Calls body(mm) with mm a constant 1..MB for each block of activation rows. */
+#define ROWS_SWITCH(M, body)                                                                                     \
+    for (int64_t m = 0; m < (M); m += MB) {                                                                    \
+        switch ((M) - m < MB ? (M) - m : MB) {                                                                 \
+        case 1: body(1); break;                                                                                \
+        case 2: body(2); break;                                                                                \
+        case 3: body(3); break;                                                                                \
+        case 4: body(4); break;                                                                                \
+        case 5: body(5); break;                                                                                \
+        case 6: body(6); break;                                                                                \
+        case 7: body(7); break;                                                                                \
+        default: body(8); break;                                                                               \
+        }                                                                                                      \
+    }
+
+/* ---- fp32 ---- */
+INLINE void f32_block(const float *w, const acts *a, const int64_t *rows, int mm, int64_t K, float *out) {
+#if defined(HAVE_AVX512)
+    __m512 acc[MB];
+    for (int r = 0; r < mm; r++)
+        acc[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        __m512 wv = _mm512_loadu_ps(w + k);
+        for (int r = 0; r < mm; r++)
+            acc[r] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(a->f32 + rows[r] * a->ld + k), acc[r]);
+    }
+    for (int r = 0; r < mm; r++)
+        out[r] = _mm512_reduce_add_ps(acc[r]);
+#else
+    for (int r = 0; r < mm; r++) {
+        const float *x = a->f32 + rows[r] * a->ld;
+        float s[16] = {0};
+        for (int64_t k = 0; k < K; k += 16)
+            for (int i = 0; i < 16; i++)
+                s[i] += w[k + i] * x[k + i];
+        float t = 0.0f;
+        for (int i = 0; i < 16; i++)
+            t += s[i];
+        out[r] = t;
+    }
+#endif
+}
+
+/* ---- bf16: activations rounded to bf16 where the CPU has a bf16 dot product, else widened weights ---- */
+INLINE void bf16_block(const uint16_t *w, const acts *a, const int64_t *rows, int mm, int64_t K, float *out) {
+#if defined(__AVX512BF16__)
+    __m512 acc[MB];
+    for (int r = 0; r < mm; r++)
+        acc[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
+        for (int r = 0; r < mm; r++)
+            acc[r] = _mm512_dpbf16_ps(acc[r], wv, (__m512bh)_mm512_loadu_si512(a->bf16 + rows[r] * K + k));
+    }
+    for (int r = 0; r < mm; r++)
+        out[r] = _mm512_reduce_add_ps(acc[r]);
+#else
+    for (int r = 0; r < mm; r++) {
+        const float *x = a->f32 + rows[r] * a->ld;
+        float s[16] = {0};
+        for (int64_t k = 0; k < K; k += 16)
+            for (int i = 0; i < 16; i++)
+                s[i] += bf16f(w[k + i]) * x[k + i];
+        float t = 0.0f;
+        for (int i = 0; i < 16; i++)
+            t += s[i];
+        out[r] = t;
+    }
+#endif
+}
+
+/* ---- int8 and int4: tiles of TILE weight rows, TILE lanes of one vector each (layouts: formats.py) ----
+ * int8 tile: [K/4][TILE][4] bytes (w + 128); int4 tile: [K/8][TILE][4] bytes, byte (i, t) holding row i's
+ * inputs t (low nibble) and 4 + t (high) of each 8; its (scale, zero) as bf16 [2][G][TILE]. One vpdpbusd
+ * multiplies 4 inputs of TILE rows by the same 4 activations (broadcast), so each group's scales apply to a
+ * vector of rows and nothing is summed across lanes. */
+#define TILE 16
+#define PREFETCH_BYTES 1024 /* int4 reads 64 bytes per 8 vector ops: too light a stream for the prefetchers */
+
+#if defined(HAVE_VNNI512)
+INLINE __m512 bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+INLINE __m512i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+INLINE void q8_tile(const uint8_t *w, const float *ws, const acts *a, const int64_t *rows, int mm, int64_t K,
+                    float *y, int64_t ldy, const float *bias, int valid) {
+    int64_t blocks = K / QB;
+    __m512 acc[MB];
+    const int8_t *x[MB];
+    for (int r = 0; r < mm; r++) {
+        acc[r] = _mm512_setzero_ps();
+        x[r] = a->q + rows[r] * K;
+    }
+    for (int64_t b = 0; b < blocks; b++) {
+        __m512i dot[MB];
+        for (int r = 0; r < mm; r++)
+            dot[r] = _mm512_setzero_si512();
+        for (int64_t k = b * QB; k < (b + 1) * QB; k += 4) {
+            __m512i wv = _mm512_loadu_si512(w + k * TILE);
+            for (int r = 0; r < mm; r++)
+                dot[r] = _mm512_dpbusd_epi32(dot[r], wv, bcast4(x[r] + k));
+        }
+        for (int r = 0; r < mm; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_set1_ps(a->d[rows[r] * blocks + b]), acc[r]);
+    }
+    __mmask16 keep = (__mmask16)((1u << valid) - 1);
+    __m512 scale = _mm512_maskz_loadu_ps(keep, ws), add = bias ? _mm512_maskz_loadu_ps(keep, bias) : _mm512_setzero_ps();
+    for (int r = 0; r < mm; r++)
+        _mm512_mask_storeu_ps(y + r * ldy, keep,
+                              _mm512_fmadd_ps(scale, _mm512_sub_ps(acc[r], _mm512_set1_ps(a->corr[rows[r]])), add));
+}
+
+INLINE void q4_tile(const uint8_t *w, const uint16_t *sz, int64_t g, const acts *a, const int64_t *rows, int mm,
+                    int64_t K, float *y, int64_t ldy, const float *bias, int valid) {
+    int64_t G = K / g;
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    __m512 acc[MB];
+    const int8_t *x[MB];
+    for (int r = 0; r < mm; r++) {
+        acc[r] = _mm512_setzero_ps();
+        x[r] = a->q + rows[r] * K;
+    }
+    for (int64_t j = 0; j < G; j++) {
+        __m512i dot[MB];
+        for (int r = 0; r < mm; r++)
+            dot[r] = _mm512_setzero_si512();
+        for (int64_t k = j * g; k < (j + 1) * g; k += 8) {
+            _mm_prefetch((const char *)(w + k / 2 * TILE) + PREFETCH_BYTES, _MM_HINT_T0);
+            __m512i p = _mm512_loadu_si512(w + k / 2 * TILE);
+            __m512i lo = _mm512_and_si512(p, low), hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+            for (int r = 0; r < mm; r++) {
+                dot[r] = _mm512_dpbusd_epi32(dot[r], lo, bcast4(x[r] + k));
+                dot[r] = _mm512_dpbusd_epi32(dot[r], hi, bcast4(x[r] + k + 4));
+            }
+        }
+        __m512 scale = bf16x16(sz + j * TILE), zero = bf16x16(sz + (G + j) * TILE);
+        __m512 zero8 = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale, zero); /* the offset's and the zero's share */
+        for (int r = 0; r < mm; r++) {
+            int64_t at = rows[r] * G + j;
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(scale, _mm512_set1_ps(a->d[at])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(zero8, _mm512_set1_ps(a->dsum[at]), acc[r]);
+        }
+    }
+    __mmask16 keep = (__mmask16)((1u << valid) - 1);
+    __m512 add = bias ? _mm512_maskz_loadu_ps(keep, bias) : _mm512_setzero_ps();
+    for (int r = 0; r < mm; r++)
+        _mm512_mask_storeu_ps(y + r * ldy, keep, _mm512_add_ps(acc[r], add));
+}
+#else
+/* Portable loops over the same tiles. */
+INLINE void q8_tile(const uint8_t *w, const float *ws, const acts *a, const int64_t *rows, int mm, int64_t K,
+                    float *y, int64_t ldy, const float *bias, int valid) {
+    int64_t blocks = K / QB;
+    for (int r = 0; r < mm; r++)
+        for (int i = 0; i < valid; i++) {
+            const int8_t *x = a->q + rows[r] * K;
+            float t = 0.0f;
+            for (int64_t b = 0; b < blocks; b++) {
+                int32_t s = 0;
+                for (int64_t k = b * QB; k < (b + 1) * QB; k++)
+                    s += (int32_t)w[(k / 4) * TILE * 4 + i * 4 + k % 4] * x[k];
+                t += a->d[rows[r] * blocks + b] * (float)s;
+            }
+            y[r * ldy + i] = ws[i] * (t - a->corr[rows[r]]) + (bias ? bias[i] : 0.0f);
+        }
+}
+
+INLINE void q4_tile(const uint8_t *w, const uint16_t *sz, int64_t g, const acts *a, const int64_t *rows, int mm,
+                    int64_t K, float *y, int64_t ldy, const float *bias, int valid) {
+    int64_t G = K / g;
+    for (int r = 0; r < mm; r++)
+        for (int i = 0; i < valid; i++) {
+            const int8_t *x = a->q + rows[r] * K;
+            float t = 0.0f;
+            for (int64_t j = 0; j < G; j++) {
+                int32_t s = 0;
+                for (int64_t k = j * g; k < (j + 1) * g; k++) {
+                    uint8_t byte = w[(k / 8) * TILE * 4 + i * 4 + k % 4];
+                    s += (int32_t)(k % 8 < 4 ? byte & 15 : byte >> 4) * x[k];
+                }
+                float scale = bf16f(sz[j * TILE + i]), zero = bf16f(sz[(G + j) * TILE + i]);
+                int64_t at = rows[r] * G + j;
+                t += scale * a->d[at] * (float)s + (zero - 8.0f * scale) * a->dsum[at];
+            }
+            y[r * ldy + i] = t + (bias ? bias[i] : 0.0f);
+        }
+}
+#endif
+
+INLINE void store(float *y, int64_t ldy, int64_t n, const float *out, int mm, float add) {
+    for (int r = 0; r < mm; r++)
+        y[r * ldy + n] = out[r] + add;
+}
+
+void hs_rows_block(const hs_matrix *W, const acts *a, const int64_t *rows, int64_t M, int64_t n0, int64_t n1,
+                   float *y, int64_t ldy) {
+    int64_t K = W->K;
+    float out[MB];
+    int64_t step = W->format == Q8 || W->format == Q4 ? TILE : 1; /* chunks start on a tile (NCHUNK) */
+    for (int64_t n = n0; n < n1; n += step) {
+        float bias = W->bias && step == 1 ? W->bias[n] : 0.0f;
+        int valid = (int)(W->N - n < TILE ? W->N - n : TILE); /* a last tile's rows past N are padding */
+        if (W->format == F32) {
+            const float *w = (const float *)W->w + n * K;
+#define F32_BODY(mm) (f32_block(w, a, rows + m, mm, K, out), store(y + m * ldy, ldy, n, out, mm, bias))
+            ROWS_SWITCH(M, F32_BODY)
+        } else if (W->format == BF16) {
+            const uint16_t *w = (const uint16_t *)W->w + n * K;
+#define BF16_BODY(mm) (bf16_block(w, a, rows + m, mm, K, out), store(y + m * ldy, ldy, n, out, mm, bias))
+            ROWS_SWITCH(M, BF16_BODY)
+        } else if (W->format == Q8) {
+            const uint8_t *w = (const uint8_t *)W->w + n * K;
+            const float *ws = (const float *)W->scales + n, *b = W->bias ? W->bias + n : NULL;
+#define Q8_BODY(mm) q8_tile(w, ws, a, rows + m, mm, K, y + m * ldy + n, ldy, b, valid)
+            ROWS_SWITCH(M, Q8_BODY)
+        } else {
+            const uint8_t *w = (const uint8_t *)W->w + n * (K / 2);
+            const uint16_t *sz = (const uint16_t *)W->scales + n * 2 * (K / W->group);
+            const float *b = W->bias ? W->bias + n : NULL;
+#define Q4_BODY(mm) q4_tile(w, sz, W->group, a, rows + m, mm, K, y + m * ldy + n, ldy, b, valid)
+            ROWS_SWITCH(M, Q4_BODY)
+        }
+    }
+}
