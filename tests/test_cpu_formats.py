@@ -1,0 +1,112 @@
+"""The native CPU kernels in every weight format (cpu_kernels/formats.py, matmul.c, rows.c, moe.c)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.engine import cpu_kernels
+from services.engine.config import EngineConfig
+from services.engine.cpu_kernels import formats
+from services.engine.quant.groupwise import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+
+FORMATS = ("fp32", "bf16", "int8", "int4")
+# Where the math differs from an fp32 product with the dequantised weights: bf16 rounds the activations to
+# bf16, int8/int4 quantise them to int8 per block (as llama.cpp's Q8_0 activations): the error against the
+# largest output, measured at 0.2% / 0.7% / 0.6% on these shapes.
+TOLERANCE = {"fp32": 1e-5, "bf16": 5e-3, "int8": 1.5e-2, "int4": 1.5e-2}
+
+pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler: native kernels not built")
+
+
+@pytest.fixture(params=[1, 2], ids=["one-thread", "two-threads"])
+def pool(request):
+    before = cpu_kernels.library().hs_threads()
+    assert cpu_kernels.set_threads(request.param) == request.param
+    yield request.param
+    cpu_kernels.set_threads(before)
+
+
+def _relative_error(y: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((y - reference).abs().max() / reference.abs().max()).item()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17])
+def test_every_format_matches_its_dequantised_product(fmt: str, rows: int, pool: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    n, k = 200, 256  # n not a whole number of tiles: the last tile's padding must not show
+    w, bias = torch.randn(n, k, generator=g) * 0.05, torch.randn(n, generator=g)
+    m = formats.pack(w, fmt, 64, bias)
+    x = torch.randn(rows + 2, k, generator=g)[1:-1]  # rows inside a larger tensor: a row stride of k
+    y = formats.matmul(x, m)
+    reference = F.linear(x, formats.dequantize(m), bias)
+    assert y.shape == (rows, n) and _relative_error(y, reference) < TOLERANCE[fmt]
+
+
+def test_packed_grids_are_the_groupwise_quantisers() -> None:
+    """The CPU layouts hold exactly quant/groupwise's grids (the weights torch's kernels computed on)."""
+    w = torch.randn(40, 192)
+    q, scale, zero = quantize_int4(w, 64)
+    assert torch.equal(formats.dequantize(formats.pack(w, "int4", 64)),
+                       dequantize_int4(q, scale.bfloat16(), zero.bfloat16(), 64))
+    q8, scale8 = quantize_int8(w)
+    assert torch.equal(formats.dequantize(formats.pack(w, "int8")), dequantize_int8(q8, scale8))
+    assert formats.pack(w, "int4", 64).nbytes < formats.pack(w, "int8").nbytes < formats.pack(w, "bf16").nbytes
+
+
+def test_widths_the_kernels_cannot_take_run_on_torch() -> None:
+    """An input width off the kernels' vectors (96) still computes, through the dequantised matrix."""
+    w, x = torch.randn(48, 96), torch.randn(3, 96)
+    for fmt in FORMATS:
+        m = formats.pack(w, fmt, 32)
+        assert not formats.native_widths(fmt, 96, 32) or fmt == "int4"
+        torch.testing.assert_close(formats.matmul(x, m), F.linear(x, formats.dequantize(m)), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_one_call_moe_is_the_per_expert_sum(fmt: str, pool: int) -> None:
+    g = torch.Generator().manual_seed(7)
+    experts, hidden, inter, tokens, top_k = 6, 128, 192, 11, 2
+    gate_up = [formats.pack(torch.randn(2 * inter, hidden, generator=g) * 0.1, fmt, 64) for _ in range(experts)]
+    down = [formats.pack(torch.randn(hidden, inter, generator=g) * 0.1, fmt, 64) for _ in range(experts)]
+    x = torch.randn(tokens, hidden, generator=g)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=g)
+    out = formats.moe(x, ids, weights, formats.native_array(gate_up), formats.native_array(down), hidden)
+    expected = torch.zeros(tokens, hidden)
+    for t in range(tokens):
+        for e, wt in zip(ids[t].tolist(), weights[t].tolist()):
+            gate, up = F.linear(x[t], formats.dequantize(gate_up[e])).chunk(2)
+            expected[t] += wt * F.linear(F.silu(gate) * up, formats.dequantize(down[e]))
+    assert _relative_error(out, expected) < 2 * TOLERANCE[fmt]
+    with pytest.raises(ValueError, match="expert id out of range"):
+        formats.moe(x, ids + experts, weights, formats.native_array(gate_up), formats.native_array(down), hidden)
+
+
+def test_a_second_thread_calling_during_a_pool_job_runs_alone() -> None:
+    """The host executor's threads call the kernels beside the serving loop: each call gets its own answer."""
+    import concurrent.futures
+
+    cpu_kernels.set_threads(2)
+    try:
+        w = torch.randn(512, 256)
+        m = formats.pack(w, "int8")
+        xs = [torch.randn(4, 256) for _ in range(16)]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool_:
+            ys = list(pool_.map(lambda x: formats.matmul(x, m), xs))
+        for x, y in zip(xs, ys):
+            assert _relative_error(y, F.linear(x, formats.dequantize(m))) < TOLERANCE["int8"]
+    finally:
+        cpu_kernels.set_threads(1)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("weight_dtype", "int3", "unknown weight dtype"),
+    ("weight_group_size", 32, "weight_group_size must be 64 or 128"),
+    ("threads", 0, "threads must be in 1..256"),
+])
+def test_bad_cpu_knobs_are_refused(field: str, value: object, message: str, tiny_mixtral_dir: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model=tiny_mixtral_dir, **{field: value}).validate()
