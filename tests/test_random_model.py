@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from services.cli import main
 from services.engine.config import EngineConfig
+from services.engine.demo_model import random_model
 from services.engine.demo_model.random_model import SHAPES, shape_config
 from services.engine.demo_model.tokenizer import SPECIAL_TOKENS, token_id
 from services.engine.llm_engine import LLMEngine
@@ -26,7 +28,9 @@ SMALL = ["--layers", "1", "--experts", "8", "--vocab-size", "512"]
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("qwen3") / "model"
-    assert main(["demo-model", "build", "--shape", "qwen3-30b-a3b", "--random", *SMALL, "--out", str(out)]) == 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(random_model, "SHARD_BYTES", 32 << 20)  # several shards from a 120 MB model
+        assert main(["demo-model", "build", "--shape", "qwen3-30b-a3b", "--random", *SMALL, "--out", str(out)]) == 0
     return str(out)
 
 
@@ -44,7 +48,11 @@ def test_qwen3_build_is_sharded_bf16_with_silent_special_tokens(qwen3_dir: str) 
     cfg = json.loads(open(f"{qwen3_dir}/config.json").read())
     assert (cfg["model_type"], cfg["hidden_size"], cfg["head_dim"], cfg["num_experts"]) == ("qwen3_moe", 2048, 128, 8)
     index = json.loads(open(f"{qwen3_dir}/model.safetensors.index.json").read())
-    assert sorted(set(index["weight_map"].values())) == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 3 and shards == [f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                                           for i in range(1, len(shards) + 1)]
+    assert max(os.path.getsize(f"{qwen3_dir}/{s}") for s in shards) < 33 << 20
+    assert index["metadata"]["total_size"] == json.loads(open(f"{qwen3_dir}/random_model_build.json").read())["bytes"]
     with safe_open(f"{qwen3_dir}/{index['weight_map']['lm_head.weight']}", framework="pt") as f:
         head = f.get_tensor("lm_head.weight")
     assert head.dtype == torch.bfloat16 and head.shape == (cfg["vocab_size"], 2048)

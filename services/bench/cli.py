@@ -127,6 +127,21 @@ def _vs_vllm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _host_kernels(args: argparse.Namespace) -> int:
+    from services.bench.host_kernels import FORMATS, default_threads, run_host_kernels
+
+    formats = [f for f in args.formats.split(",") if f]
+    if not formats or any(f not in FORMATS for f in formats):
+        raise ValueError(f"--formats: comma-separated {', '.join(FORMATS)}; got {args.formats!r}")
+    if args.min_seconds <= 0 or (args.cycle_mb is not None and args.cycle_mb <= 0):
+        raise ValueError("--min-seconds and --cycle-mb must be positive")
+    threads = _numbers(args.threads, int) if args.threads else default_threads()
+    cycle = int(args.cycle_mb * 1e6) if args.cycle_mb else None
+    result = run_host_kernels(args.json, formats, _numbers(args.rows, int), threads, args.min_seconds, cycle)
+    print(f"wrote {args.json} ({len(result['results'])} cases)")
+    return 0
+
+
 def _all(args: argparse.Namespace) -> int:
     from services.bench.suite import run_all
 
@@ -243,6 +258,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          help="rounds of every concurrency on each server, order flipped each round; medians reported")
     vs_vllm.add_argument("--json", default="bench/results/vs_vllm.json")
     vs_vllm.set_defaults(func=_vs_vllm)
+
+    host = kinds.add_parser("host-kernels", help="CPU expert/dense kernels per format: GB/s against a bandwidth probe")
+    host.add_argument("--formats", default="fp32,bf16,int8,int4")
+    host.add_argument("--rows", default="1,4,16,64", help="tokens per call, e.g. 1,4,16,64")
+    host.add_argument("--threads", default=None, help="torch threads, e.g. 1,2 (default 1 .. cores)")
+    host.add_argument("--min-seconds", type=float, default=0.3, help="timed seconds per case at least")
+    host.add_argument("--cycle-mb", type=float, default=None,
+                      help="weight bytes cycled per pass (default twice the last-level cache: DRAM, not cache)")
+    host.add_argument("--json", default="bench/results/host_kernels.json")
+    host.set_defaults(func=_host_kernels)
 
     suite = kinds.add_parser("all", help="every benchmark, then bench/results/REPORT.md")
     suite.add_argument("--model", default="models/demo-moe")

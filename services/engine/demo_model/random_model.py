@@ -3,8 +3,8 @@
 The demo model's 0.5 MB experts sit in L2; real decode streams 9-350 MB experts from DRAM. This writes a Hugging
 Face folder at the real shapes of Qwen3-30B-A3B, Mixtral-8x7B or DeepSeek-V2-Lite (fewer layers, the demo
 tokenizer's vocabulary) that our loader, `transformers` and llama.cpp's convert_hf_to_gguf.py all read: the
-released config.json keys and per-expert tensor names, bf16 safetensors written one layer per shard (RAM holds
-one layer, never the model). Weights are N(0, 1/fan_in) so every projection keeps its input's scale and the
+released config.json keys and per-expert tensor names, bf16 safetensors written one 1 GiB shard at a time (RAM
+holds about two shards, never the model). Weights are N(0, 1/fan_in) so every projection keeps its input's scale and the
 activations stay finite at any depth; the special tokens' LM-head rows are zero, so their logits (0) lose to
 some ordinary token's and greedy decoding runs to max_tokens.
 """
@@ -33,6 +33,7 @@ from .tokenizer import (
 
 TOKENIZER_CORPUS_BYTES = 2_000_000  # stdlib text the BPE tokenizer learns from: about a second
 BUILD_FILE = "random_model_build.json"
+SHARD_BYTES = 1 << 30  # a shard is built in memory, then serialised into one more buffer of its size
 
 # The released config.json of each family (its keys, so every reader takes it as it takes the real one),
 # without the vocabulary, token ids and layer count, which the build sets.
@@ -87,63 +88,75 @@ def _linear(out_features: int, in_features: int, gen: torch.Generator) -> torch.
     return w.mul_(1.0 / math.sqrt(in_features)).to(torch.bfloat16)
 
 
-def _ones(n: int) -> torch.Tensor:
-    return torch.ones(n, dtype=torch.bfloat16)
+Tensors = Iterator[tuple[str, torch.Tensor]]  # drawn one at a time: a shard holds what is written next
 
 
-def _mlp(prefix: str, hidden: int, inter: int, names: tuple[str, str, str], gen: torch.Generator) -> dict:
+def _ones(name: str, n: int) -> Tensors:
+    yield name, torch.ones(n, dtype=torch.bfloat16)
+
+
+def _linears(gen: torch.Generator, *specs: tuple[str, int, int]) -> Tensors:
+    for name, out_features, in_features in specs:
+        yield name, _linear(out_features, in_features, gen)
+
+
+def _mlp(prefix: str, hidden: int, inter: int, names: tuple[str, str, str], gen: torch.Generator) -> Tensors:
     gate, up, down = names
-    return {f"{prefix}.{gate}.weight": _linear(inter, hidden, gen), f"{prefix}.{up}.weight": _linear(inter, hidden, gen),
-            f"{prefix}.{down}.weight": _linear(hidden, inter, gen)}
+    yield from _linears(gen, (f"{prefix}.{gate}.weight", inter, hidden), (f"{prefix}.{up}.weight", inter, hidden),
+                        (f"{prefix}.{down}.weight", hidden, inter))
 
 
-def _attention(cfg: dict, p: str, gen: torch.Generator) -> dict:
+def _attention(cfg: dict, p: str, gen: torch.Generator) -> Tensors:
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     if cfg["model_type"] == "deepseek_v2":  # MLA, no query compression (V2-Lite's q_lora_rank is None)
         rank, rope, nope, v = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
-        return {f"{p}.q_proj.weight": _linear(heads * (nope + rope), hidden, gen),
-                f"{p}.kv_a_proj_with_mqa.weight": _linear(rank + rope, hidden, gen),
-                f"{p}.kv_a_layernorm.weight": _ones(rank),
-                f"{p}.kv_b_proj.weight": _linear(heads * (nope + v), rank, gen),
-                f"{p}.o_proj.weight": _linear(hidden, heads * v, gen)}
+        yield from _linears(gen, (f"{p}.q_proj.weight", heads * (nope + rope), hidden),
+                            (f"{p}.kv_a_proj_with_mqa.weight", rank + rope, hidden))
+        yield from _ones(f"{p}.kv_a_layernorm.weight", rank)
+        yield from _linears(gen, (f"{p}.kv_b_proj.weight", heads * (nope + v), rank),
+                            (f"{p}.o_proj.weight", hidden, heads * v))
+        return
     head_dim = cfg.get("head_dim") or hidden // heads
     q, kv = heads * head_dim, cfg["num_key_value_heads"] * head_dim
-    out = {f"{p}.q_proj.weight": _linear(q, hidden, gen), f"{p}.k_proj.weight": _linear(kv, hidden, gen),
-           f"{p}.v_proj.weight": _linear(kv, hidden, gen), f"{p}.o_proj.weight": _linear(hidden, q, gen)}
+    yield from _linears(gen, (f"{p}.q_proj.weight", q, hidden), (f"{p}.k_proj.weight", kv, hidden),
+                        (f"{p}.v_proj.weight", kv, hidden), (f"{p}.o_proj.weight", hidden, q))
     if cfg["model_type"] == "qwen3_moe":  # per-head RMSNorm of queries and keys
-        out |= {f"{p}.q_norm.weight": _ones(head_dim), f"{p}.k_norm.weight": _ones(head_dim)}
-    return out
+        yield from _ones(f"{p}.q_norm.weight", head_dim)
+        yield from _ones(f"{p}.k_norm.weight", head_dim)
 
 
-def _feed_forward(cfg: dict, layer: int, gen: torch.Generator) -> dict:
+def _feed_forward(cfg: dict, layer: int, gen: torch.Generator) -> Tensors:
     hidden, mt = cfg["hidden_size"], cfg["model_type"]
     if mt == "mixtral":
         prefix, names = f"model.layers.{layer}.block_sparse_moe", ("w1", "w3", "w2")
     else:
         prefix, names = f"model.layers.{layer}.mlp", ("gate_proj", "up_proj", "down_proj")
     if mt == "deepseek_v2" and layer < cfg["first_k_dense_replace"]:
-        return _mlp(prefix, hidden, cfg["intermediate_size"], names, gen)
+        yield from _mlp(prefix, hidden, cfg["intermediate_size"], names, gen)
+        return
     experts = cfg[_EXPERT_COUNT_KEY[mt]]
     inter = cfg["intermediate_size"] if mt == "mixtral" else cfg["moe_intermediate_size"]
-    out = {f"{prefix}.gate.weight": _linear(experts, hidden, gen)}
+    yield from _linears(gen, (f"{prefix}.gate.weight", experts, hidden))
     for e in range(experts):
-        out |= _mlp(f"{prefix}.experts.{e}", hidden, inter, names, gen)
+        yield from _mlp(f"{prefix}.experts.{e}", hidden, inter, names, gen)
     if mt == "deepseek_v2":  # the shared experts, fused into one MLP as in the released checkpoint
-        out |= _mlp(f"{prefix}.shared_experts", hidden, inter * cfg["n_shared_experts"], names, gen)
-    return out
+        yield from _mlp(f"{prefix}.shared_experts", hidden, inter * cfg["n_shared_experts"], names, gen)
 
 
-def _shards(cfg: dict, special_ids: list[int], gen: torch.Generator) -> Iterator[dict[str, torch.Tensor]]:
-    """Embeddings, then one shard per layer, then the final norm and LM head."""
+def _tensors(cfg: dict, special_ids: list[int], gen: torch.Generator) -> Tensors:
+    """Every tensor in checkpoint order: embeddings, the layers, the final norm and LM head."""
     hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
-    yield {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=gen).to(torch.bfloat16)}
+    yield "model.embed_tokens.weight", torch.randn(vocab, hidden, generator=gen).to(torch.bfloat16)
     for layer in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{layer}"
-        yield {f"{p}.input_layernorm.weight": _ones(hidden), f"{p}.post_attention_layernorm.weight": _ones(hidden),
-               **_attention(cfg, f"{p}.self_attn", gen), **_feed_forward(cfg, layer, gen)}
+        yield from _ones(f"{p}.input_layernorm.weight", hidden)
+        yield from _attention(cfg, f"{p}.self_attn", gen)
+        yield from _ones(f"{p}.post_attention_layernorm.weight", hidden)
+        yield from _feed_forward(cfg, layer, gen)
+    yield from _ones("model.norm.weight", hidden)
     head = _linear(vocab, hidden, gen)
     head[special_ids] = 0  # logit 0: below the largest of `vocab` N(0, ~1) logits, so never the greedy pick
-    yield {"model.norm.weight": _ones(hidden), "lm_head.weight": head}
+    yield "lm_head.weight", head
 
 
 def build_random(out_dir: Path, shape: str, layers: int, vocab_size: int = 8000, experts: int | None = None,
@@ -174,17 +187,33 @@ def _special_ids(tokenizer: Tokenizer) -> list[int]:
 
 
 def _write_shards(out_dir: Path, cfg: dict, special_ids: list[int], seed: int) -> tuple[int, int]:
-    """Writes model-0000i-of-0000n.safetensors one at a time and the index; returns (params, bytes)."""
+    """Writes model-0000i-of-0000n.safetensors of up to SHARD_BYTES each, then the index; returns (params,
+    bytes). Peak memory is about two shards (safetensors serialises a shard into one buffer)."""
     gen = torch.Generator().manual_seed(seed)
-    count = cfg["num_hidden_layers"] + 2
+    shards: list[list[str]] = []
+    shard: dict[str, torch.Tensor] = {}
+    params = total_bytes = shard_bytes = 0
+
+    def flush() -> None:
+        save_file(shard, str(out_dir / f"shard-{len(shards):05d}.tmp"), metadata={"format": "pt"})
+        shards.append(list(shard))
+        shard.clear()
+
+    for name, tensor in _tensors(cfg, special_ids, gen):
+        nbytes = tensor.numel() * tensor.element_size()
+        if shard and shard_bytes + nbytes > SHARD_BYTES:
+            flush()
+            shard_bytes = 0
+        shard[name] = tensor
+        shard_bytes += nbytes
+        params += tensor.numel()
+        total_bytes += nbytes
+    flush()
     weight_map: dict[str, str] = {}
-    params = total_bytes = 0
-    for i, tensors in enumerate(_shards(cfg, special_ids, gen), start=1):
-        name = f"model-{i:05d}-of-{count:05d}.safetensors"
-        save_file(tensors, str(out_dir / name), metadata={"format": "pt"})
-        weight_map |= dict.fromkeys(tensors, name)
-        params += sum(t.numel() for t in tensors.values())
-        total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+    for i, names in enumerate(shards):
+        final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        (out_dir / f"shard-{i:05d}.tmp").replace(out_dir / final)
+        weight_map |= dict.fromkeys(names, final)
     index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return params, total_bytes
