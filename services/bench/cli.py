@@ -142,6 +142,26 @@ def _host_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
+def _vs_llamacpp(args: argparse.Namespace) -> int:
+    from services.bench.llamacpp import llama_importable
+    from services.bench.vs_llamacpp import FORMATS, Workload, run_vs_llamacpp
+
+    _require_model(args.model)
+    formats = [f for f in args.formats.split(",") if f]
+    if not formats or any(f not in FORMATS for f in formats):
+        raise ValueError(f"--formats: comma-separated {', '.join(FORMATS)}; got {args.formats!r}")
+    if args.rounds < 1 or args.prompt_len < 8 or args.new_tokens < 2 or args.prefill_len < 1:
+        raise ValueError("--rounds and --prefill-len must be >= 1, --prompt-len >= 8 and --new-tokens >= 2")
+    if not llama_importable(args.llama_python):
+        raise ValueError(f"--llama-python: llama_cpp is not importable with {args.llama_python}")
+    gguf_dir = args.gguf_dir or args.model.rstrip("/") + "-gguf"
+    load = Workload(args.prompt_len, args.new_tokens, args.prefill_len)
+    result = run_vs_llamacpp(args.model, args.llama_python, args.llama_cpp_src, gguf_dir, formats,
+                             _numbers(args.threads, int), args.json, load, args.rounds)
+    print(f"wrote {args.json} ({len(result['formats'])} formats, {args.rounds} rounds)")
+    return 0
+
+
 def _all(args: argparse.Namespace) -> int:
     from services.bench.suite import run_all
 
@@ -268,6 +288,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="weight bytes cycled per pass (default twice the last-level cache: DRAM, not cache)")
     host.add_argument("--json", default="bench/results/host_kernels.json")
     host.set_defaults(func=_host_kernels)
+
+    llama = kinds.add_parser("vs-llamacpp", help="llama.cpp vs hintserve at batch 1, format by format (GGUF)")
+    llama.add_argument("--model", default="models/qwen3-30b-a3b-4l",
+                       help="HF folder, e.g. from `demo-model build --shape qwen3-30b-a3b --random`")
+    llama.add_argument("--llama-python", required=True, help="interpreter with llama-cpp-python installed")
+    llama.add_argument("--llama-cpp-src", default=None,
+                       help="llama.cpp source tree (convert_hf_to_gguf.py, gguf-py); needed to convert the GGUFs")
+    llama.add_argument("--gguf-dir", default=None, help="where the GGUF files go (default: MODEL-gguf)")
+    llama.add_argument("--formats", default="f32,bf16,q8_0,q4_0")
+    llama.add_argument("--threads", default="1,2")
+    llama.add_argument("--rounds", type=int, default=3, help="rounds, the systems' order flipping each round")
+    llama.add_argument("--prompt-len", type=int, default=32)
+    llama.add_argument("--new-tokens", type=int, default=64)
+    llama.add_argument("--prefill-len", type=int, default=512)
+    llama.add_argument("--json", default="bench/results/vs_llamacpp.json")
+    llama.set_defaults(func=_vs_llamacpp)
 
     suite = kinds.add_parser("all", help="every benchmark, then bench/results/REPORT.md")
     suite.add_argument("--model", default="models/demo-moe")
