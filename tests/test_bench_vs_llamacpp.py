@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from services.bench.llamacpp import llama_importable
-from services.bench.vs_llamacpp import FORMATS, Workload, run_hintserve
+from services.bench.vs_llamacpp import FORMATS, Workload, gguf_file, run_hintserve
 from services.cli import main
 
 LLAMA_PYTHON = os.environ.get("HINTSERVE_LLAMA_PYTHON", "")
@@ -37,30 +37,43 @@ def test_hintserve_case_reports_its_figures(tiny_qwen3: str) -> None:
     assert figures["max_rss_mb"] > 100  # the 120 MB checkpoint, in fp32 around its int4 experts
 
 
-@pytest.mark.slow
-def test_both_systems_in_alternating_rounds(tiny_qwen3: str, tmp_path: Path) -> None:
+def _llama_or_skip() -> None:
     if not (LLAMA_PYTHON and llama_importable(LLAMA_PYTHON)):
         pytest.skip("llama-cpp-python not importable: set HINTSERVE_LLAMA_PYTHON to its virtualenv's python")
     if not (LLAMA_SRC and os.path.isfile(os.path.join(LLAMA_SRC, "convert_hf_to_gguf.py"))):
         pytest.skip("no llama.cpp source tree: set HINTSERVE_LLAMA_CPP_SRC to the folder of convert_hf_to_gguf.py")
+
+
+@pytest.mark.slow
+def test_both_systems_in_alternating_rounds(tiny_qwen3: str, tmp_path: Path) -> None:
+    _llama_or_skip()
     out = tmp_path / "vs.json"
     args = ["--model", tiny_qwen3, "--llama-python", LLAMA_PYTHON, "--llama-cpp-src", LLAMA_SRC, "--gguf-dir",
-            str(tmp_path / "gguf"), "--formats", "f32,q4_0", "--threads", "1", "--rounds", "2", "--prompt-len", "8",
+            str(tmp_path / "gguf"), "--formats", "f32,bf16", "--threads", "1", "--rounds", "2", "--prompt-len", "8",
             "--new-tokens", "6", "--prefill-len", "32", "--json", str(out)]
     assert main(["bench", "vs-llamacpp", *args]) == 0
     saved = json.loads(out.read_text())
     for system in ("llama.cpp", "hintserve"):
-        for fmt in ("f32", "q4_0"):
+        for fmt in ("f32", "bf16"):
             rounds = saved["rounds_kept"][system][fmt]["1"]
-            assert len(rounds) == 2 and all(len(r["tokens"]) == 6 for r in rounds)
+            assert len(rounds) == 2 and all(len(r["tokens"]) == 6 for r in rounds), rounds
             decode = sorted(r["decode_tok_s"] for r in rounds)
             assert saved["medians"][system][fmt]["1"]["decode_tok_s"] == pytest.approx(sum(decode) / 2)
-    assert saved["formats"]["q4_0"]["gguf_bytes"] < saved["formats"]["f32"]["gguf_bytes"] / 4
+    assert saved["formats"]["bf16"]["gguf_bytes"] < saved["formats"]["f32"]["gguf_bytes"] * 0.6
     # The same f32 math on the same checkpoint: greedy decoding agrees from the start.
     assert saved["rounds_kept"]["hintserve"]["f32"]["1"][0]["tokens"][:3] == \
         saved["rounds_kept"]["llama.cpp"]["f32"]["1"][0]["tokens"][:3]
-    assert "| q4_0 / Q4_0 | 1 |" in (tmp_path / "vs.md").read_text()
+    assert "| bf16 / BF16 | 1 |" in (tmp_path / "vs.md").read_text()
     assert (tmp_path / "vs.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_q4_0_comes_from_llamacpps_quantizer(tiny_qwen3: str, tmp_path: Path) -> None:
+    _llama_or_skip()
+    gguf = gguf_file(tiny_qwen3, tmp_path, "q4_0", LLAMA_PYTHON, LLAMA_SRC)
+    base = tmp_path / "qwen3-BF16.gguf"  # what it is quantized from, converted on the way
+    assert gguf.name == "qwen3-Q4_0.gguf" and gguf.stat().st_size < base.stat().st_size / 2.5
+    assert gguf_file(tiny_qwen3, tmp_path, "q4_0", LLAMA_PYTHON, None) == gguf  # kept: no source needed again
 
 
 @pytest.mark.parametrize("bad", [["--formats", "q5_k"], ["--rounds", "0"], ["--llama-python", "/nonexistent/python"]])

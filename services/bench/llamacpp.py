@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -100,10 +101,13 @@ def converter_script(src_dir: str) -> Path:
     return script
 
 
-def _run(cmd: list[str], what: str, env: dict | None = None) -> str:
+def run_checked(cmd: list[str], what: str, env: dict | None = None) -> str:
+    """stdout of `cmd`; a RuntimeError saying how it ended (exit code or signal) and its output's tail."""
     run = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if run.returncode != 0:
-        raise RuntimeError(f"{what} failed ({run.returncode}):\n{(run.stderr or run.stdout)[-3000:]}")
+        code = run.returncode
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        raise RuntimeError(f"{what} failed ({how}): {(run.stderr or run.stdout).strip()[-2000:]}")
     return run.stdout
 
 
@@ -115,7 +119,7 @@ def convert(model_dir: str, src_dir: str | None, outtype: str, out: Path) -> Pat
         raise ValueError(f"{out} is missing: --llama-cpp-src must name llama.cpp's source tree to convert it")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
-    _run([sys.executable, "-c", _CONVERT, str(converter_script(src_dir)), model_dir, "--outtype", outtype,
+    run_checked([sys.executable, "-c", _CONVERT, str(converter_script(src_dir)), model_dir, "--outtype", outtype,
           "--outfile", str(tmp)], f"convert_hf_to_gguf.py --outtype {outtype}")
     tmp.replace(out)
     return out
@@ -127,7 +131,7 @@ def quantize(python: str, src: Path, ftype: int, out: Path, threads: int) -> Pat
         return out
     tmp = out.with_suffix(".tmp")
     args = json.dumps({"src": str(src), "dst": str(tmp), "ftype": ftype, "threads": threads})
-    _run([python, "-c", _QUANTIZE, args], f"llama_model_quantize to ftype {ftype}")
+    run_checked([python, "-c", _QUANTIZE, args], f"llama_model_quantize to ftype {ftype}")
     tmp.replace(out)
     return out
 
@@ -146,5 +150,5 @@ def run_llama(python: str, gguf: Path, threads: int, case: dict) -> dict:
     n_ctx, n_batch); returns its figures."""
     args = json.dumps({**case, "gguf": str(gguf), "threads": threads})
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    out = _run([python, "-c", _WORKER, args], f"llama.cpp on {gguf.name} ({threads} threads)", env)
+    out = run_checked([python, "-c", _WORKER, args], f"llama.cpp on {gguf.name} ({threads} threads)", env)
     return json.loads(out.strip().splitlines()[-1])

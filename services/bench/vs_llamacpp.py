@@ -15,7 +15,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -81,11 +80,9 @@ def run_hintserve(model_dir: str, fmt: str, threads: int, case: dict) -> dict:
     """One timed case in a fresh HintServe process (`hintserve_worker` below)."""
     args = json.dumps({"model": model_dir, "engine": FORMATS[fmt].engine, "case": case})
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    run = subprocess.run([sys.executable, "-m", "services.bench.vs_llamacpp", args], capture_output=True,
-                         text=True, env=env)
-    if run.returncode != 0:
-        raise RuntimeError(f"hintserve {fmt} ({threads} threads) failed ({run.returncode}):\n{run.stderr[-3000:]}")
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    out = llamacpp.run_checked([sys.executable, "-m", "services.bench.vs_llamacpp", args],
+                               f"hintserve {fmt} ({threads} threads)", env)
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def hintserve_worker(args: dict) -> dict:
@@ -135,8 +132,11 @@ def run_vs_llamacpp(model_dir: str, llama_python: str, llama_src: str | None, gg
                 for t in threads:
                     for system in SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]:
                         bar.set_postfix_str(f"round {r + 1} {f} {t} thread(s) {system}")
-                        figures = (llamacpp.run_llama(llama_python, ggufs[f], t, case) if system == "llama.cpp"
-                                   else run_hintserve(model_dir, f, t, case))
+                        try:
+                            figures = (llamacpp.run_llama(llama_python, ggufs[f], t, case)
+                                       if system == "llama.cpp" else run_hintserve(model_dir, f, t, case))
+                        except RuntimeError as exc:  # one crashed case is a result too; the others still run
+                            figures = {"error": str(exc)}
                         runs[system][f][str(t)].append(figures)
                         bar.update()
             result = _write(json_path, header, runs, formats, threads)
@@ -144,7 +144,8 @@ def run_vs_llamacpp(model_dir: str, llama_python: str, llama_src: str | None, gg
 
 
 def _median(rounds: list[dict], key: str) -> float | None:
-    return statistics.median(r[key] for r in rounds) if rounds else None
+    values = [r[key] for r in rounds if "error" not in r]
+    return statistics.median(values) if values else None
 
 
 def _write(json_path: str, header: dict, runs: dict, formats: list[str], threads: list[int]) -> dict:
@@ -158,12 +159,12 @@ def _write(json_path: str, header: dict, runs: dict, formats: list[str], threads
     for f in formats:
         for t in map(str, threads):
             ours, theirs = medians["hintserve"][f][t], medians["llama.cpp"][f][t]
-            if ours["decode_tok_s"] is None:
+            if not runs["hintserve"][f][t]:
                 continue
-            rows.append((f"{f} / {FORMATS[f].gguf}", t, ours["decode_tok_s"], theirs["decode_tok_s"],
-                         _ratio(ours["decode_tok_s"], theirs["decode_tok_s"]), ours["prefill_tok_s"],
-                         theirs["prefill_tok_s"], _ratio(ours["prefill_tok_s"], theirs["prefill_tok_s"]),
-                         f"{ours['max_rss_mb']:.0f} / {theirs['max_rss_mb']:.0f}"))
+            rows.append((f"{f} / {FORMATS[f].gguf}", t, _fig(ours["decode_tok_s"]), _fig(theirs["decode_tok_s"]),
+                         _ratio(ours["decode_tok_s"], theirs["decode_tok_s"]), _fig(ours["prefill_tok_s"]),
+                         _fig(theirs["prefill_tok_s"]), _ratio(ours["prefill_tok_s"], theirs["prefill_tok_s"]),
+                         f"{_fig(ours['max_rss_mb'], '.0f')} / {_fig(theirs['max_rss_mb'], '.0f')}"))
     done = len(next(iter(next(iter(runs["hintserve"].values())).values())))
     w = header["workload"]
     note = (f"Batch 1; decode: {w['new_tokens']} greedy tokens after a {w['prompt_len']}-token prompt (the first "
@@ -175,7 +176,7 @@ def _write(json_path: str, header: dict, runs: dict, formats: list[str], threads
                             "peak RSS MB (ours / llama.cpp)"], rows)
     stem = os.path.splitext(json_path)[0]
     write_markdown(stem + ".md", "HintServe vs llama.cpp (CPU, batch 1)", header, note + table + "\n"
-                   + _agreement(runs, formats, threads))
+                   + _agreement(runs, formats, threads) + _failures(runs))
     labels = [f"{f} t{t}" for f in formats for t in threads]
     bar_plot(stem + ".png", "Decode tok/s at batch 1 (medians)", labels,
              {s: [medians[s][f][str(t)]["decode_tok_s"] or 0.0 for f in formats for t in threads] for s in SYSTEMS},
@@ -188,11 +189,25 @@ def _agreement(runs: dict, formats: list[str], threads: list[int]) -> str:
     lines = []
     for f in formats:
         ours, theirs = runs["hintserve"][f][str(threads[0])], runs["llama.cpp"][f][str(threads[0])]
-        if ours and theirs:
+        if ours and theirs and "tokens" in ours[0] and "tokens" in theirs[0]:
             a, b = ours[0]["tokens"], theirs[0]["tokens"]
             same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
             lines.append(f"{f}: first {same} of {len(a)} greedy tokens identical")
     return "\nGreedy tokens, HintServe vs llama.cpp: " + "; ".join(lines) + ".\n" if lines else ""
+
+
+def _failures(runs: dict) -> str:
+    """One line per failed case (the first failure's message, cut): a crash shows in the report, not only in
+    the JSON."""
+    lines = [f"- {s} {f}, {t} thread(s), {sum('error' in r for r in rs)} of {len(rs)} round(s): "
+             f"{next(r['error'] for r in rs if 'error' in r)[:300]}"
+             for s, by_f in runs.items() for f, by_t in by_f.items() for t, rs in by_t.items()
+             if any("error" in r for r in rs)]
+    return "\nFailed cases (n/a above):\n\n" + "\n".join(lines) + "\n" if lines else ""
+
+
+def _fig(value: float | None, spec: str = ".2f") -> str:
+    return "n/a" if value is None else format(value, spec)
 
 
 def _ratio(a: float | None, b: float | None) -> float | str:
