@@ -20,6 +20,7 @@ def test_every_case_reports_gbs_against_its_probe(tmp_path: Path) -> None:
     kinds = ("expert", "q_proj", "o_proj", "lm_head")
     assert cases == {(f, k, r, 1) for f in ("fp32", "int4") for k in kinds for r in (1, 3)}
     probe = saved["probe_gb_per_s"]["1"]
+    assert probe == max(saved["probe_runs_gb_per_s"][when]["1"] for when in ("before", "after"))
     for r in saved["results"]:
         assert r["gb_per_s"] > 0 and r["of_probe"] == pytest.approx(r["gb_per_s"] / probe)
         assert r["gb_per_s"] == pytest.approx(r["weight_bytes"] / r["us_per_call"] / 1e3)

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from services.bench import llamacpp
 from services.common.report import bar_plot, markdown_table, run_header, write_json, write_markdown
+from services.engine.demo_model.tokenizer import SPECIAL_TOKENS
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class Workload:
     def case(self, vocab_size: int) -> dict:
         """Prompt ids drawn past the demo tokenizer's special tokens (its first ids), the same for both."""
         gen = torch.Generator().manual_seed(self.seed)
-        draw = torch.randint(8, vocab_size, (self.prompt_len + self.prefill_len,), generator=gen).tolist()
+        draw = torch.randint(len(SPECIAL_TOKENS), vocab_size, (self.prompt_len + self.prefill_len,), generator=gen).tolist()
         n_ctx = max(self.prompt_len + self.new_tokens, self.prefill_len) + 16
         return {"prompt": draw[: self.prompt_len], "prefill_prompt": draw[self.prompt_len :],
                 "new_tokens": self.new_tokens, "n_ctx": n_ctx, "n_batch": self.prefill_len}
