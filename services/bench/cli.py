@@ -290,8 +290,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     host.set_defaults(func=_host_kernels)
 
     llama = kinds.add_parser("vs-llamacpp", help="llama.cpp vs hintserve at batch 1, format by format (GGUF)")
-    llama.add_argument("--model", default="models/qwen3-30b-a3b-4l",
-                       help="HF folder, e.g. from `demo-model build --shape qwen3-30b-a3b --random`")
+    llama.add_argument("--model", required=True,
+                       help="HF folder, e.g. from `demo-model build --shape qwen3-30b-a3b --random` (GBs: keep it "
+                            "outside the repository)")
     llama.add_argument("--llama-python", required=True, help="interpreter with llama-cpp-python installed")
     llama.add_argument("--llama-cpp-src", default=None,
                        help="llama.cpp source tree (convert_hf_to_gguf.py, gguf-py); needed to convert the GGUFs")
