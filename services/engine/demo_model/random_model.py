@@ -189,6 +189,8 @@ def _special_ids(tokenizer: Tokenizer) -> list[int]:
 def _write_shards(out_dir: Path, cfg: dict, special_ids: list[int], seed: int) -> tuple[int, int]:
     """Writes model-0000i-of-0000n.safetensors of up to SHARD_BYTES each, then the index; returns (params,
     bytes). Peak memory is about two shards (safetensors serialises a shard into one buffer)."""
+    for stale in (*out_dir.glob("model*.safetensors"), *out_dir.glob("shard-*.tmp")):  # an earlier build's
+        stale.unlink()
     gen = torch.Generator().manual_seed(seed)
     shards: list[list[str]] = []
     shard: dict[str, torch.Tensor] = {}
