@@ -150,5 +150,11 @@ def run_llama(python: str, gguf: Path, threads: int, case: dict) -> dict:
     n_ctx, n_batch); returns its figures."""
     args = json.dumps({**case, "gguf": str(gguf), "threads": threads})
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    out = run_checked([python, "-c", _WORKER, args], f"llama.cpp on {gguf.name} ({threads} threads)", env)
+    try:
+        out = run_checked([python, "-c", _WORKER, args], f"llama.cpp on {gguf.name} ({threads} threads)", env)
+    except RuntimeError as exc:
+        if "SIGILL" in str(exc):  # seen on a KVM guest with AMX: ggml's AMX kernels (Q8_0, Q4_0) die in tilezero
+            raise RuntimeError(f"{exc} [an instruction its ggml build uses is refused here: with AMX, build "
+                               "ggml-cpu with -mno-amx-tile -mno-amx-int8 -mno-amx-bf16]") from None
+        raise
     return json.loads(out.strip().splitlines()[-1])
