@@ -127,6 +127,41 @@ def _vs_vllm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _host_kernels(args: argparse.Namespace) -> int:
+    from services.bench.host_kernels import FORMATS, default_threads, run_host_kernels
+
+    formats = [f for f in args.formats.split(",") if f]
+    if not formats or any(f not in FORMATS for f in formats):
+        raise ValueError(f"--formats: comma-separated {', '.join(FORMATS)}; got {args.formats!r}")
+    if args.min_seconds <= 0 or (args.cycle_mb is not None and args.cycle_mb <= 0):
+        raise ValueError("--min-seconds and --cycle-mb must be positive")
+    threads = _numbers(args.threads, int) if args.threads else default_threads()
+    cycle = int(args.cycle_mb * 1e6) if args.cycle_mb else None
+    result = run_host_kernels(args.json, formats, _numbers(args.rows, int), threads, args.min_seconds, cycle)
+    print(f"wrote {args.json} ({len(result['results'])} cases)")
+    return 0
+
+
+def _vs_llamacpp(args: argparse.Namespace) -> int:
+    from services.bench.llamacpp import llama_importable
+    from services.bench.vs_llamacpp import FORMATS, Workload, run_vs_llamacpp
+
+    _require_model(args.model)
+    formats = [f for f in args.formats.split(",") if f]
+    if not formats or any(f not in FORMATS for f in formats):
+        raise ValueError(f"--formats: comma-separated {', '.join(FORMATS)}; got {args.formats!r}")
+    if args.rounds < 1 or args.prompt_len < 8 or args.new_tokens < 2 or args.prefill_len < 1:
+        raise ValueError("--rounds and --prefill-len must be >= 1, --prompt-len >= 8 and --new-tokens >= 2")
+    if not llama_importable(args.llama_python):
+        raise ValueError(f"--llama-python: llama_cpp is not importable with {args.llama_python}")
+    gguf_dir = args.gguf_dir or args.model.rstrip("/") + "-gguf"
+    load = Workload(args.prompt_len, args.new_tokens, args.prefill_len)
+    result = run_vs_llamacpp(args.model, args.llama_python, args.llama_cpp_src, gguf_dir, formats,
+                             _numbers(args.threads, int), args.json, load, args.rounds)
+    print(f"wrote {args.json} ({len(result['formats'])} formats, {args.rounds} rounds)")
+    return 0
+
+
 def _all(args: argparse.Namespace) -> int:
     from services.bench.suite import run_all
 
@@ -243,6 +278,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          help="rounds of every concurrency on each server, order flipped each round; medians reported")
     vs_vllm.add_argument("--json", default="bench/results/vs_vllm.json")
     vs_vllm.set_defaults(func=_vs_vllm)
+
+    host = kinds.add_parser("host-kernels", help="CPU expert/dense kernels per format: GB/s against a bandwidth probe")
+    host.add_argument("--formats", default="fp32,bf16,int8,int4")
+    host.add_argument("--rows", default="1,4,16,64", help="tokens per call, e.g. 1,4,16,64")
+    host.add_argument("--threads", default=None, help="torch threads, e.g. 1,2 (default 1 .. cores)")
+    host.add_argument("--min-seconds", type=float, default=0.3, help="timed seconds per case at least")
+    host.add_argument("--cycle-mb", type=float, default=None,
+                      help="weight bytes cycled per pass (default twice the last-level cache: DRAM, not cache)")
+    host.add_argument("--json", default="bench/results/host_kernels.json")
+    host.set_defaults(func=_host_kernels)
+
+    llama = kinds.add_parser("vs-llamacpp", help="llama.cpp vs hintserve at batch 1, format by format (GGUF)")
+    llama.add_argument("--model", required=True,
+                       help="HF folder, e.g. from `demo-model build --shape qwen3-30b-a3b --random` (GBs: keep it "
+                            "outside the repository)")
+    llama.add_argument("--llama-python", required=True, help="interpreter with llama-cpp-python installed")
+    llama.add_argument("--llama-cpp-src", default=None,
+                       help="llama.cpp source tree (convert_hf_to_gguf.py, gguf-py); needed to convert the GGUFs")
+    llama.add_argument("--gguf-dir", default=None, help="where the GGUF files go (default: MODEL-gguf)")
+    llama.add_argument("--formats", default="f32,bf16,q8_0,q4_0")
+    llama.add_argument("--threads", default="1,2")
+    llama.add_argument("--rounds", type=int, default=3, help="rounds, the systems' order flipping each round")
+    llama.add_argument("--prompt-len", type=int, default=32)
+    llama.add_argument("--new-tokens", type=int, default=64)
+    llama.add_argument("--prefill-len", type=int, default=512)
+    llama.add_argument("--json", default="bench/results/vs_llamacpp.json")
+    llama.set_defaults(func=_vs_llamacpp)
 
     suite = kinds.add_parser("all", help="every benchmark, then bench/results/REPORT.md")
     suite.add_argument("--model", default="models/demo-moe")

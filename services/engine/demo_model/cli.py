@@ -24,7 +24,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sub = parser.add_subparsers(dest="demo_command", required=True)
 
     build = sub.add_parser(
-        "build", help="corpus -> BPE tokenizer -> train Mixtral-style MoE -> HF folder + stats"
+        "build",
+        help="corpus -> BPE tokenizer -> train Mixtral-style MoE -> HF folder + stats; or, with --shape and "
+        "--random, random weights at a real family's shapes (speed benchmarks)",
     )
     build.add_argument("--out", required=True, type=Path, help="output folder (e.g. models/demo-moe)")
     build.add_argument(
@@ -52,6 +54,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     build.add_argument(
         "--max-steps", type=_positive(int), default=None, help="stop after N steps (smoke runs)"
     )
+    build.add_argument(
+        "--shape",
+        choices=("qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v2-lite"),
+        default=None,
+        help="with --random: that family's real per-layer shapes (no training)",
+    )
+    build.add_argument("--random", action="store_true", help="random weights instead of training (needs --shape)")
+    build.add_argument("--layers", type=_positive(int), default=4, help="--shape builds: layers (default 4)")
+    build.add_argument(
+        "--experts", type=_positive(int), default=None, help="--shape builds: fewer routed experts (tests)"
+    )
     build.set_defaults(func=run_build)
 
     stats = sub.add_parser("stats", help="validation perplexity and routing statistics of a built model")
@@ -60,6 +73,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_build(args: argparse.Namespace) -> int:
+    if args.shape or args.random:
+        return _run_random_build(args)
     from .train import TrainSettings, build
 
     settings = TrainSettings(
@@ -79,6 +94,17 @@ def run_build(args: argparse.Namespace) -> int:
         prompts_dir=args.prompts_dir,
     )
     print(f"wrote {args.out} in {info['total_s']:.0f}s")
+    return 0
+
+
+def _run_random_build(args: argparse.Namespace) -> int:
+    from .random_model import build_random
+
+    if not (args.shape and args.random):
+        raise ValueError("--shape builds random weights only: give both --shape and --random")
+    info = build_random(args.out, args.shape, args.layers, args.vocab_size, args.experts, args.seed)
+    print(f"wrote {args.out}: {args.shape}, {args.layers} layers, {info['params'] / 1e9:.2f}B params, "
+          f"{info['bytes'] / 1e9:.2f} GB bf16 in {info['build_s']:.0f}s")
     return 0
 
 

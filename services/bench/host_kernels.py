@@ -1,0 +1,207 @@
+"""`hintserve bench host-kernels`: the CPU's expert and dense kernels against the memory bandwidth they could use.
+
+Real MoE decode is bound by memory bandwidth: each token streams its experts' weights from DRAM once. Per weight
+format (fp32, bf16, int8, int4), row count and torch thread count this times one routed expert at Qwen3-30B-A3B's
+shape through `expert_forward` (the one entry point every executor calls) and Qwen3's dense matrices through the
+model's own dense linear, cycling through copies of each matrix worth twice the last-level cache so every call
+reads its weights from DRAM, not from cache. GB/s is weight bytes read per second; the ratio divides it by a
+STREAM-like read probe (a sum over a buffer four times the cache) at the same thread count, measured in the
+same command, before and after the cases. Everything goes through the project's public functions, so faster kernels show up unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from services.common.report import bar_plot, markdown_table, run_header, write_json, write_markdown
+from services.engine.expert_provider import ExpertWeights
+from services.engine.models.moe import expert_forward
+from services.engine.models.packed_linear import PackedLinear, should_pack
+from services.engine.quant.kernels import packed_linear
+from services.engine.quant.layout import expert_layout
+from services.engine.quant.packed import QuantScheme, pack_matrix
+
+FORMATS = ("fp32", "bf16", "int8", "int4")
+GROUP_SIZE = 64  # int4's default --expert-group-size
+# Qwen3-30B-A3B: hidden 2048, experts of width 768; 32 query and 4 KV heads of 128; the bench model's vocab.
+HIDDEN, EXPERT_WIDTH = 2048, 768
+DENSE = {"q_proj": (32 * 128, HIDDEN), "o_proj": (HIDDEN, 32 * 128), "lm_head": (8000, HIDDEN)}
+_UNIQUE = 4  # distinct random matrices per kind; the rest are copies (only their addresses must differ)
+_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache sysfs reports (L3 here; 32 MiB when it reports none)."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * unit)
+    return max(sizes, default=32 << 20)
+
+
+def default_threads() -> list[int]:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return list(range(1, cores + 1))
+
+
+def bandwidth_probe(buffer: torch.Tensor, threads: int, repeats: int = 5) -> float:
+    """GB/s of a sum over `buffer` at `threads` torch threads: the best of `repeats` (a read-only STREAM)."""
+    torch.set_num_threads(threads)
+    buffer.sum()  # first touch and thread start-up stay out of the figure
+    best = min(_timed(buffer.sum) for _ in range(repeats))
+    return buffer.numel() * buffer.element_size() / best / 1e9
+
+
+def _probes(nbytes: int, threads: list[int]) -> dict[int, float]:
+    buffer = torch.ones(nbytes // 4)
+    return {t: bandwidth_probe(buffer, t) for t in threads}
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _count(nbytes: int, cycle_bytes: int) -> int:
+    return max(_UNIQUE, -(-cycle_bytes // nbytes))
+
+
+def expert_copies(fmt: str, gen: torch.Generator, cycle_bytes: int) -> tuple[list[object], int]:
+    """Qwen3-shape experts stored as the engine stores `fmt` (expert_layout's flat buffer each), enough to
+    stream `cycle_bytes` per pass, and one expert's bytes. `_UNIQUE` are random, the rest copies of them."""
+    expert_dtype = {"fp32": "auto", "bf16": "bf16"}.get(fmt, fmt)
+    layout = expert_layout(HIDDEN, EXPERT_WIDTH, expert_dtype, GROUP_SIZE, torch.float32, "cpu")
+    flats = []
+    for _ in range(_UNIQUE):
+        dense = torch.randn(3 * EXPERT_WIDTH, HIDDEN, generator=gen) / HIDDEN**0.5
+        flats.append(torch.empty(layout.numel, dtype=layout.dtype))
+        layout.pack(ExpertWeights(dense[: 2 * EXPERT_WIDTH], dense[2 * EXPERT_WIDTH :].t().contiguous()), flats[-1])
+    nbytes = flats[0].numel() * flats[0].element_size()
+    flats += [flats[i % _UNIQUE].clone() for i in range(_UNIQUE, _count(nbytes, cycle_bytes))]
+    return [layout.views(flat) for flat in flats], nbytes
+
+
+def dense_copies(fmt: str, shape: tuple[int, int], gen: torch.Generator, cycle_bytes: int) -> tuple[list[object], int]:
+    """A dense matrix as the model runs `fmt` (its PackedLinear, packed or not as the model decides at the
+    current thread count, for fp32/bf16; the weight-only kernels' packed matrix, as quantized experts use, for
+    int8/int4), in enough copies to stream `cycle_bytes` per pass, and one copy's bytes."""
+    bases = [torch.randn(*shape, generator=gen) / shape[1] ** 0.5 for _ in range(_UNIQUE)]
+    if fmt in _DTYPE:
+        mats = [b.to(_DTYPE[fmt]) for b in bases]
+        nbytes = mats[0].numel() * mats[0].element_size()
+        mats += [mats[i % _UNIQUE].clone() for i in range(_UNIQUE, _count(nbytes, cycle_bytes))]
+        pack = should_pack("cpu", _DTYPE[fmt])
+        return [PackedLinear(m, None, pack) for m in mats], nbytes
+    packed = [pack_matrix(b, QuantScheme(int(fmt[3:]), GROUP_SIZE), "cpu") for b in bases]
+    nbytes = packed[0].nbytes
+    packed += [dataclasses.replace(p, qweight=p.qweight.clone(), scales=p.scales.clone())
+               for p in (packed[i % _UNIQUE] for i in range(_UNIQUE, _count(nbytes, cycle_bytes)))]
+    return packed, nbytes  # type: ignore[return-value]
+
+
+def dense_call(x: torch.Tensor, weights: object) -> torch.Tensor:
+    if isinstance(weights, PackedLinear):
+        return weights(x if x.dtype == weights.weight.dtype else x.to(weights.weight.dtype))
+    return packed_linear(x, weights)  # type: ignore[arg-type]
+
+
+def time_cycle(call: Callable[[torch.Tensor, object], object], weights: list[object], x: torch.Tensor,
+               min_seconds: float) -> float:
+    """Seconds per call, cycling through `weights` (one warm pass first); passes until `min_seconds`, median."""
+    for w in weights:
+        call(x, w)
+    per_call: list[float] = []
+    spent = 0.0
+    while spent < min_seconds or len(per_call) < 3:
+        start = time.perf_counter()
+        for w in weights:
+            call(x, w)
+        elapsed = time.perf_counter() - start
+        per_call.append(elapsed / len(weights))
+        spent += elapsed
+    return statistics.median(per_call)
+
+
+def run_host_kernels(json_path: str, formats: list[str], rows: list[int], threads: list[int],
+                     min_seconds: float = 0.3, cycle_bytes: int | None = None, seed: int = 0) -> dict:
+    """Every (format, matrix, threads, rows) case; `cycle_bytes` (default twice the last-level cache) of weight
+    copies per pass, a probe buffer twice that."""
+    cache = last_level_cache_bytes()
+    cycle = cycle_bytes or 2 * cache
+    before = torch.get_num_threads()
+    first = _probes(2 * cycle, threads)
+    results: list[dict] = []
+    kinds = {"expert": None, **DENSE}
+    with tqdm(total=len(formats) * len(kinds) * len(rows) * len(threads), desc="bench host-kernels") as bar:
+        for fmt in formats:
+            for kind, shape in kinds.items():
+                for t in threads:
+                    torch.set_num_threads(t)  # before building: the model decides oneDNN packing per thread count
+                    gen = torch.Generator().manual_seed(seed)
+                    if shape is None:
+                        weights, nbytes = expert_copies(fmt, gen, cycle)
+                        call, width = expert_forward, HIDDEN
+                    else:
+                        weights, nbytes = dense_copies(fmt, shape, gen, cycle)
+                        call, width = dense_call, shape[1]
+                    for r in rows:
+                        bar.set_postfix_str(f"{fmt} {kind} rows={r} threads={t}")
+                        x = torch.randn(r, width, generator=gen)
+                        seconds = time_cycle(call, weights, x, min_seconds)
+                        gbs = nbytes / seconds / 1e9
+                        results.append({"format": fmt, "kind": kind, "rows": r, "threads": t,
+                                        "us_per_call": seconds * 1e6, "weight_bytes": nbytes, "gb_per_s": gbs})
+                        bar.update()
+                    del weights
+    last = _probes(2 * cycle, threads)
+    torch.set_num_threads(before)
+    # The machine's best: on a shared box the probe drifts as much as the kernels; it runs before and after.
+    probes = {t: max(first[t], last[t]) for t in threads}
+    for r in results:
+        r["probe_gb_per_s"] = probes[r["threads"]]
+        r["of_probe"] = r["gb_per_s"] / probes[r["threads"]]
+    result = {**run_header(), "last_level_cache_bytes": cache, "cycled_bytes_per_pass": cycle,
+              "probe_gb_per_s": {str(t): g for t, g in probes.items()},
+              "probe_runs_gb_per_s": {"before": {str(t): g for t, g in first.items()},
+                                      "after": {str(t): g for t, g in last.items()}}, "group_size": GROUP_SIZE,
+              "shapes": {"expert": [3 * EXPERT_WIDTH, HIDDEN], **{k: list(v) for k, v in DENSE.items()}},
+              "min_seconds": min_seconds, "results": results}
+    _write(json_path, result, formats, threads)
+    return result
+
+
+def _write(json_path: str, result: dict, formats: list[str], threads: list[int]) -> None:
+    write_json(json_path, result)
+    stem = os.path.splitext(json_path)[0]
+    rows = [(r["format"], r["kind"], r["rows"], r["threads"], round(r["us_per_call"], 1), r["gb_per_s"],
+             f"{r['of_probe']:.0%}") for r in result["results"]]
+    probes = ", ".join(f"{t} thread(s) {g:.1f} GB/s" for t, g in result["probe_gb_per_s"].items())
+    note = (f"Read-bandwidth probe: {probes}. Each figure cycles through {result['cycled_bytes_per_pass'] / 1e6:.0f}"
+            f" MB of copies of the matrix (the last-level cache: {result['last_level_cache_bytes'] >> 20} MiB), "
+            "median over passes; the probe sums a buffer twice that size, best of 5, before and after the cases, "
+            "the better run kept. expert: Qwen3-30B-A3B's (gate/up 1536x2048, down 2048x768) through "
+            "expert_forward;"
+            f" int4 group size {result['group_size']}.\n\n")
+    table = markdown_table(["format", "matrix", "rows", "threads", "us/call", "GB/s", "of probe"], rows)
+    write_markdown(stem + ".md", "Host kernels: weight streaming against memory bandwidth", result, note + table)
+    one_row = [r for r in result["results"] if r["kind"] == "expert" and r["rows"] == 1]
+    series = {f"{t} thread(s)": [next(r["of_probe"] for r in one_row if r["format"] == f and r["threads"] == t)
+                                 for f in formats] for t in threads}
+    bar_plot(stem + ".png", "One expert, one row: fraction of the read-bandwidth probe", formats, series,
+             "fraction of probe GB/s")

@@ -1,0 +1,37 @@
+"""`hintserve bench host-kernels`: every case timed through the project's kernels, against the probe it ran."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from services.cli import main
+
+
+def test_every_case_reports_gbs_against_its_probe(tmp_path: Path) -> None:
+    out = tmp_path / "hk.json"
+    args = ["--formats", "fp32,int4", "--rows", "1,3", "--threads", "1", "--min-seconds", "0.001",
+            "--cycle-mb", "16", "--json", str(out)]
+    assert main(["bench", "host-kernels", *args]) == 0
+    saved = json.loads(out.read_text())
+    cases = {(r["format"], r["kind"], r["rows"], r["threads"]) for r in saved["results"]}
+    kinds = ("expert", "q_proj", "o_proj", "lm_head")
+    assert cases == {(f, k, r, 1) for f in ("fp32", "int4") for k in kinds for r in (1, 3)}
+    probe = saved["probe_gb_per_s"]["1"]
+    assert probe == max(saved["probe_runs_gb_per_s"][when]["1"] for when in ("before", "after"))
+    for r in saved["results"]:
+        assert r["gb_per_s"] > 0 and r["of_probe"] == pytest.approx(r["gb_per_s"] / probe)
+        assert r["gb_per_s"] == pytest.approx(r["weight_bytes"] / r["us_per_call"] / 1e3)
+    experts = {r["format"]: r["weight_bytes"] for r in saved["results"] if r["kind"] == "expert"}
+    assert experts["fp32"] == 3 * 2048 * 768 * 4 and experts["int4"] < experts["fp32"] / 6  # Qwen3's expert
+    assert "| int4 | expert | 3 | 1 |" in (tmp_path / "hk.md").read_text()
+    assert (tmp_path / "hk.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("bad", [["--formats", "fp16"], ["--rows", "0"], ["--min-seconds", "0"]])
+def test_bad_arguments_exit_2_with_one_line(bad: list[str], tmp_path: Path, capsys) -> None:
+    assert main(["bench", "host-kernels", *bad, "--json", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "error" in err[0]
