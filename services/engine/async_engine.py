@@ -24,6 +24,7 @@ from services.engine.input_processor import InputProcessor, apply_chat_template,
 from services.engine.output_processor import RequestStream, text_delta
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
+from services.engine.watchdog import StepWatchdog
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,8 @@ class AsyncLLMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: EngineDeadError | None = None
         self._dead: asyncio.Event | None = None  # set when the core fails: the serving process should exit
+        self._watchdog: StepWatchdog | None = None
+        self._watchdog_task: asyncio.Task | None = None
 
     # ---- lifecycle ----
     async def start(self) -> None:
@@ -92,11 +95,17 @@ class AsyncLLMEngine:
         limits, self._model_info, self._stats = ready[1:]
         self.input_processor = InputProcessor(self.tokenizer, limits)
         self._loop.add_reader(from_core.fileno(), self._on_core_message)
+        if self.config.step_watchdog_s:
+            self._watchdog = StepWatchdog(self.config.step_watchdog_s, lambda: bool(self._requests), self._stalled)
+            self._watchdog_task = self._loop.create_task(self._watchdog.run(), name="hintserve-step-watchdog")
 
     async def shutdown(self) -> None:
         """Stops the core in order (in-flight requests end with finish_reason "abort") and reaps it."""
         if self._core is None:
             return
+        if self._watchdog_task is not None:
+            self._watchdog_task.cancel()
+            await asyncio.gather(self._watchdog_task, return_exceptions=True)
         self._stop_reading()
         try:
             self._to_core.send(("stop",))  # type: ignore[union-attr]
@@ -151,6 +160,8 @@ class AsyncLLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
         seq = self.input_processor.make_sequence(request_id, prompt, params)
         req = _Request(seq.serial, asyncio.Queue(), RequestStream(seq, self.tokenizer), list(params.stop))
+        if self._watchdog is not None:
+            self._watchdog.work_arrived(was_idle=not self._requests)
         self._requests[request_id] = req
         self._send(("add", request_id, seq.serial, seq.token_ids, params))
         try:
@@ -187,6 +198,8 @@ class AsyncLLMEngine:
     # ---- what the core sends ----
     def _on_core_message(self) -> None:
         conn = self._from_core
+        if self._watchdog is not None:
+            self._watchdog.progress()
         try:
             while conn is not None and conn.poll():
                 msg = conn.recv()
@@ -229,6 +242,14 @@ class AsyncLLMEngine:
     def _stop_reading(self) -> None:
         if self._from_core is not None and self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._from_core.fileno())
+
+    def _stalled(self, message: str) -> None:
+        """The step watchdog fired: the core is stuck, so it is killed (SIGKILL reaches a stopped process
+        too) and the engine fails as if the core had died."""
+        core = self._core
+        if isinstance(core, multiprocessing.process.BaseProcess) and core.is_alive():
+            core.kill()
+        self._core_died(message)
 
     def _core_died(self, message: str) -> None:
         if self._error is not None:

@@ -63,6 +63,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_default: str | None =
     parser.add_argument("--kv-cache-mb", type=int, default=None)
     parser.add_argument("--enforce-eager", action="store_true", default=None,
                         help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
+    parser.add_argument("--step-watchdog-s", type=float, default=None,
+                        help="requests waiting and no engine step finished for this long: stop and exit 1 "
+                        "(default 60; 0: off)")
     offload = parser.add_argument_group("expert offload")
     offload.add_argument("--offload-policy", choices=tuple(POLICIES), default=None, help="default: resident")
     offload.add_argument("--expert-cache-gb", type=float, default=None, help="device expert cache budget in GB (1e9 bytes)")

@@ -21,7 +21,13 @@ from typing import Any
 
 from services.common.metrics_http import add_metrics_args, check_metrics_port
 from services.gateway.auth import ADMIN_KEY_ENV, API_KEYS_ENV, load_api_keys
-from services.gateway.config import GatewayConfig, parse_engine_addresses
+from services.gateway.config import (
+    DEFAULT_STREAM_IDLE_TIMEOUT_S,
+    STREAM_IDLE_TIMEOUT_ENV,
+    GatewayConfig,
+    env_seconds,
+    parse_engine_addresses,
+)
 from services.gateway.drain import DEFAULT_DRAIN_TIMEOUT_S, DRAIN_TIMEOUT_ENV, default_drain_timeout_s
 
 DEFAULT_MODEL_DIR = "models/demo-moe"
@@ -107,6 +113,13 @@ def _add_gateway_args(parser: argparse.ArgumentParser) -> None:
         default=d.request_read_timeout_s,
         help="a request's headers and body must arrive within this, else 408 (slow-client defence)",
     )
+    parser.add_argument(
+        "--stream-idle-timeout-s",
+        type=float,
+        default=None,
+        help="an engine that sends nothing for this long (first output included) gets its request aborted and "
+        f"the client an error (default {DEFAULT_STREAM_IDLE_TIMEOUT_S:g}; 0: off; env {STREAM_IDLE_TIMEOUT_ENV})",
+    )
 
 
 def is_loopback(host: str) -> bool:
@@ -161,6 +174,11 @@ def gateway_config(
         health_interval_s=args.health_interval_s,
         drain_timeout_s=default_drain_timeout_s() if args.drain_timeout_s is None else args.drain_timeout_s,
         request_read_timeout_s=args.request_read_timeout_s,
+        stream_idle_timeout_s=(
+            env_seconds(STREAM_IDLE_TIMEOUT_ENV, DEFAULT_STREAM_IDLE_TIMEOUT_S)
+            if args.stream_idle_timeout_s is None
+            else args.stream_idle_timeout_s
+        ),
     )
     config.validate()
     return config

@@ -62,6 +62,7 @@ class EnginePool:
         self.check_timeout_s = check_timeout_s
         self._next = 0  # rotates ties between equally loaded engines
         self._listeners: list[Callable[[], None]] = []
+        self._down_listeners: list[Callable[[EngineHandle], None]] = []
         self._task: asyncio.Task | None = None
         self._closing: set[asyncio.Task] = set()  # clients of retired engines being closed
 
@@ -81,6 +82,10 @@ class EnginePool:
     def add_listener(self, callback: Callable[[], None]) -> None:
         """`callback()` runs whenever capacity may have appeared or an engine's health changed."""
         self._listeners.append(callback)
+
+    def add_down_listener(self, callback: Callable[[EngineHandle], None]) -> None:
+        """`callback(handle)` runs when an engine turns unhealthy (its streams are cut at once)."""
+        self._down_listeners.append(callback)
 
     # ---- health ----
     async def _health_loop(self) -> None:
@@ -155,6 +160,8 @@ class EnginePool:
             log.info("engine %s is healthy", handle.address)
         else:
             log.warning("engine %s is unhealthy: %s", handle.address, reason)
+            for callback in self._down_listeners:
+                callback(handle)
         self._notify()
 
     def _notify(self) -> None:

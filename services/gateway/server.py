@@ -56,7 +56,9 @@ class Gateway:
         self.batcher = RequestBatcher(config.batch_window_ms / 1000.0, config.max_batch)
         self.metrics = GatewayMetrics()
         self.metrics.registry.register(EngineStatsCollector(self.pool))
-        self.router = EngineRouter(self.pool, self.admission, self.batcher, self.metrics)
+        self.router = EngineRouter(
+            self.pool, self.admission, self.batcher, self.metrics, config.stream_idle_timeout_s
+        )
         self.auth = Authenticator(config.api_keys)
         self.drain = Drain(config.drain_timeout_s)
         self.serving = OpenAIServing(
@@ -105,6 +107,7 @@ class Gateway:
     async def stop(self) -> None:
         if self.discovery is not None:
             await self.discovery.stop()
+        await self.router.watch.stop()
         await self.pool.stop()
 
 
