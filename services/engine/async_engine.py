@@ -15,8 +15,6 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from transformers import AutoTokenizer
-
 from services.engine.config import EngineConfig
 from services.engine.engine_core import CoreOutput, engine_core_main, run_engine_core
 from services.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
@@ -24,6 +22,7 @@ from services.engine.input_processor import InputProcessor, apply_chat_template,
 from services.engine.output_processor import RequestStream, text_delta
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
+from services.engine.startup_checks import load_tokenizer
 from services.engine.watchdog import StepWatchdog
 
 log = logging.getLogger(__name__)
@@ -45,7 +44,7 @@ class AsyncLLMEngine:
         config.validate()
         self.config = config
         self.core_in_thread = core_in_thread
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
+        self.tokenizer = load_tokenizer(config.model)  # ValueError naming the directory if it does not load
         self.input_processor: InputProcessor | None = None
         self._requests: dict[str, _Request] = {}
         self._model_info: dict[str, object] = {}

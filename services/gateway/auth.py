@@ -18,8 +18,13 @@ def load_api_keys(env_value: str | None = None, key_file: str | None = None) -> 
     if key_file:
         if not os.path.isfile(key_file):
             raise FileNotFoundError(f"--api-key-file not found: {key_file}")
-        with open(key_file, encoding="utf-8") as f:
-            keys += [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+        try:
+            with open(key_file, encoding="utf-8") as f:
+                keys += [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+        except OSError as exc:  # unreadable (permissions, a device): one line, not a traceback
+            raise ValueError(f"--api-key-file {key_file}: cannot be read: {exc.strerror or exc}") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"--api-key-file {key_file}: not UTF-8 text") from None
     return keys
 
 

@@ -37,9 +37,9 @@ def load_tokenizer(model_dir: str) -> Any:
     """The model's tokenizer (chat template, token counts). The gateway loads its own copy even next to an
     in-process engine: the engine thread detokenizes concurrently, and a fast tokenizer is not meant to be
     shared across threads."""
-    from transformers import AutoTokenizer
+    from services.engine.startup_checks import load_tokenizer as load
 
-    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    return load(model_dir)  # ValueError naming the directory when it does not load
 
 
 class Gateway:

@@ -95,6 +95,9 @@ async def _serve(args: argparse.Namespace, url: str, factory: Any) -> None:
     hub = PredictorHub(factory, args.predictor, selection, args.max_models, args.max_requests)
     snapshotter = None
     if args.snapshot_dir:
+        from services.common.paths import check_writable_dir
+
+        check_writable_dir(args.snapshot_dir, "--snapshot-dir")  # unusable: one line, exit 2, before serving
         snapshotter = Snapshotter(args.snapshot_dir, hub)
         restored = snapshotter.restore_all()
         _say(f"restored {len(restored)} model(s) from {args.snapshot_dir}: {[s.model for s in restored]}")
