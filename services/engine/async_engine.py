@@ -13,12 +13,18 @@ import logging
 import multiprocessing
 import threading
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from services.engine.config import EngineConfig
 from services.engine.engine_core import CoreOutput, engine_core_main, run_engine_core
 from services.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
-from services.engine.input_processor import InputProcessor, apply_chat_template, has_chat_template
+from services.engine.input_processor import (
+    INLINE_TOKENIZE_CHARS,
+    InputProcessor,
+    apply_chat_template,
+    has_chat_template,
+)
 from services.engine.output_processor import RequestStream, text_delta
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
@@ -56,6 +62,9 @@ class AsyncLLMEngine:
         self._error: EngineDeadError | None = None
         self._dead: asyncio.Event | None = None  # set when the core fails: the serving process should exit
         self._watchdog: StepWatchdog | None = None
+        # One thread: long prompts are tokenized off the event loop, one at a time (the tokenizer's Python
+        # wrapper is not meant for concurrent calls; the loop thread only decodes with it).
+        self._tokenize_pool: ThreadPoolExecutor | None = None  # made on the first long prompt
         self._watchdog_task: asyncio.Task | None = None
 
     # ---- lifecycle ----
@@ -112,6 +121,9 @@ class AsyncLLMEngine:
             pass
         for request_id, req in list(self._requests.items()):
             self._finish_locally(request_id, req, "abort")
+        if self._tokenize_pool is not None:
+            self._tokenize_pool.shutdown(wait=False)
+            self._tokenize_pool = None
         await self._reap()
 
     async def _reap(self) -> None:
@@ -157,7 +169,17 @@ class AsyncLLMEngine:
             raise EngineDeadError("engine not started")
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
-        seq = self.input_processor.make_sequence(request_id, prompt, params)
+        make = self.input_processor.make_sequence
+        if isinstance(prompt, str) and len(prompt) > INLINE_TOKENIZE_CHARS:
+            if self._tokenize_pool is None:
+                self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="hintserve-tokenize")
+            seq = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, make, request_id, prompt, params)
+            if self._error is not None:  # the core died meanwhile
+                raise self._error
+            if request_id in self._requests:
+                raise InvalidRequestError(f"request id {request_id!r} is already in flight")
+        else:
+            seq = make(request_id, prompt, params)
         req = _Request(seq.serial, asyncio.Queue(), RequestStream(seq, self.tokenizer), list(params.stop))
         if self._watchdog is not None:
             self._watchdog.work_arrived(was_idle=not self._requests)

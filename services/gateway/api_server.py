@@ -112,7 +112,8 @@ def build_app(gateway: Gateway) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
         arrival = time.monotonic()
-        request = parse_request(await raw.body(), ChatCompletionRequest)
+        body = await raw.body()
+        request = await gateway.serving.off_loop(len(body), parse_request, body, ChatCompletionRequest)  # large: off the loop
         return to_response(
             await until_disconnected(raw, gateway.chat.create_chat_completion(request, arrival))
         )
@@ -120,7 +121,8 @@ def build_app(gateway: Gateway) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
         arrival = time.monotonic()
-        request = parse_request(await raw.body(), CompletionRequest)
+        body = await raw.body()
+        request = await gateway.serving.off_loop(len(body), parse_request, body, CompletionRequest)  # large: off the loop
         return to_response(
             await until_disconnected(raw, gateway.completion.create_completion(request, arrival))
         )

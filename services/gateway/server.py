@@ -108,6 +108,7 @@ class Gateway:
         if self.discovery is not None:
             await self.discovery.stop()
         await self.router.watch.stop()
+        self.serving.close()
         await self.pool.stop()
 
 
