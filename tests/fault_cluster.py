@@ -22,6 +22,7 @@ import httpx
 from tests.live_processes import LiveProcess, free_port, hintserve, poll
 
 API_KEY = "fault-test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}  # /ready lists the engines only to key holders
 MODEL = "demo-moe"
 
 
@@ -194,7 +195,7 @@ class Cluster:
 
     # ---- observations ----
     def healthy_engines(self) -> int:
-        ready = httpx.get(f"{self.gateway_url}/ready", timeout=10).json()
+        ready = httpx.get(f"{self.gateway_url}/ready", headers=AUTH, timeout=10).json()
         return sum(1 for e in ready["engines"] if e["healthy"])
 
     def wait_healthy_engines(self, n: int, timeout_s: float = 60.0) -> float:

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.fault_cluster import Cluster, Outcome, load
+from tests.fault_cluster import AUTH, Cluster, Outcome, load
 from tests.live_processes import poll
 
 FIGURES: dict[str, dict[str, object]] = {}
@@ -43,7 +43,7 @@ def _in_background(url: str, requests: int, concurrency: int, max_tokens: int) -
 
 
 def _outstanding(cluster: Cluster, engine: int) -> int:
-    ready = httpx.get(f"{cluster.gateway_url}/ready", timeout=10).json()
+    ready = httpx.get(f"{cluster.gateway_url}/ready", headers=AUTH, timeout=10).json()
     return ready["engines"][engine]["outstanding"]
 
 

@@ -11,11 +11,19 @@ import grpc
 from services.common.protos import engine_pb2, engine_pb2_grpc
 from services.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from services.engine.grpc_client import MODEL_INFO_FIELDS
+from services.engine.input_processor import MAX_REQUEST_ID_CHARS
 from services.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
 
+async def _check_request_id(request_id: str, context: grpc.aio.ServicerContext) -> None:
+    """Ids are echoed in errors and logs: bounded before anything else looks at them (never a 1 MB echo)."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}",
+        )
 
 
 def params_from_proto(msg: Any) -> SamplingParams:
@@ -57,6 +65,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> None:
         request_id = request.request_id or uuid.uuid4().hex
+        await _check_request_id(request_id, context)
         if request_id in self._in_flight:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already running")
         kind = request.WhichOneof("prompt")
@@ -84,6 +93,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             await stream.aclose()
 
     async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _check_request_id(request.request_id, context)
         # The engine returns False for ids it does not know (never seen, finished or already aborted).
         if not self._engine.abort(request.request_id):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no running request {request.request_id!r}")

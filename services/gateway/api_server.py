@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from services.gateway.admin import build_replay_config, check_admin, load_replay_module
+from services.gateway.edge import is_loopback_host
 from services.gateway.errors import APIError, bad_request
 from services.gateway.middleware import GatewayMiddleware
 from services.gateway.openapi import install_body_schemas
@@ -88,6 +89,7 @@ def build_app(gateway: Gateway) -> FastAPI:
         metrics=gateway.metrics,
         max_body_bytes=gateway.config.max_body_bytes,
         drain=gateway.drain,
+        guard_loopback=not gateway.auth.enabled and is_loopback_host(gateway.config.host),
     )
 
     @app.exception_handler(APIError)
@@ -149,14 +151,17 @@ def build_app(gateway: Gateway) -> FastAPI:
         return JSONResponse({"status": "ok"})  # alive; readiness is /ready
 
     @app.get("/ready")
-    async def ready() -> JSONResponse:
-        engines = [
-            {"address": h.address, "healthy": h.healthy, "outstanding": h.outstanding, "error": h.last_error}
-            for h in gateway.pool.engines
-        ]
+    async def ready(raw: Request) -> JSONResponse:
         ok = any(h.healthy and h.model_info is not None for h in gateway.pool.engines)
         status = "draining" if gateway.drain.draining else "ready" if ok else "not ready"
-        return JSONResponse({"status": status, "engines": engines}, 200 if status == "ready" else 503)
+        body: dict[str, Any] = {"status": status}
+        # The bare status is public (probes); engine addresses and errors only with an API key.
+        if gateway.auth.accepts(raw.headers.get("authorization")):
+            body["engines"] = [
+                {"address": h.address, "healthy": h.healthy, "outstanding": h.outstanding, "error": h.last_error}
+                for h in gateway.pool.engines
+            ]
+        return JSONResponse(body, 200 if status == "ready" else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import logging
 import os
 import signal
@@ -29,6 +28,7 @@ from services.gateway.config import (
     parse_engine_addresses,
 )
 from services.gateway.drain import DEFAULT_DRAIN_TIMEOUT_S, DRAIN_TIMEOUT_ENV, default_drain_timeout_s
+from services.gateway.edge import is_loopback_host
 
 DEFAULT_MODEL_DIR = "models/demo-moe"
 
@@ -122,15 +122,6 @@ def _add_gateway_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def resolve_auth(args: argparse.Namespace, loopback_default_off: bool) -> tuple[list[str] | None, str]:
     """(API keys or None for no auth, the line to print about it)."""
     if args.no_auth:
@@ -142,7 +133,7 @@ def resolve_auth(args: argparse.Namespace, loopback_default_off: bool) -> tuple[
     keys = load_api_keys(os.environ.get(API_KEYS_ENV), args.api_key_file)
     if keys:
         return keys, f"authentication is on: {len(keys)} API key(s) (send 'Authorization: Bearer <key>')"
-    if loopback_default_off and is_loopback(args.host):
+    if loopback_default_off and is_loopback_host(args.host):
         return None, (
             f"authentication is OFF: no API keys configured and listening on loopback only ({args.host}); "
             f"set {API_KEYS_ENV} or --api-key-file to require keys"

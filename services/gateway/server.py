@@ -19,6 +19,7 @@ from services.gateway.auth import Authenticator
 from services.gateway.batching import RequestBatcher
 from services.gateway.config import GatewayConfig
 from services.gateway.drain import CUT_GRACE_S, Drain
+from services.gateway.edge import MAX_HEADER_BYTES
 from services.gateway.engine_client import EngineBackend
 from services.gateway.engine_discovery import EngineDiscovery
 from services.gateway.engine_pool import EnginePool
@@ -150,6 +151,7 @@ class HTTPServer:
             timeout_graceful_shutdown=3,  # after Gateway.drain_and_stop, only idle connections are left
             timeout_keep_alive=30,
             http=protocol_with_read_timeout(read_timeout_s),
+            h11_max_incomplete_event_size=MAX_HEADER_BYTES,  # a header block still arriving: bounded, then 431
         )
         self.server = uvicorn.Server(config)
         # uvicorn would re-raise a caught SIGTERM after shutdown (killing the process before our cleanup);
