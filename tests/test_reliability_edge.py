@@ -123,3 +123,48 @@ async def test_grpc_ids_are_bounded_before_they_are_echoed(engine: Any) -> None:
             assert err.value.code() == grpc.StatusCode.NOT_FOUND
     finally:
         await stop_server(server, grace=0.5)
+
+
+async def test_engine_grpc_token(engine: Any, tiny_mixtral_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a token every RPC but Health needs it; the gateway's clients send HINTSERVE_ENGINE_TOKEN."""
+    server, port = await serve_engine(engine, "127.0.0.1", 0, token="engine-secret")
+    try:
+        async with EngineClient(f"127.0.0.1:{port}", token="wrong") as stranger:
+            assert await stranger.health()  # probes need no token
+            for call in (stranger.stats(), stranger.model_info(), stranger.abort("x")):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await anext(stranger.generate("r", [5, 6, 7]))
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        monkeypatch.setenv("HINTSERVE_ENGINE_TOKEN", "engine-secret")
+        backend = EngineClient(f"127.0.0.1:{port}")
+        async with running_gateway([backend], tiny_mixtral_dir) as (_, gateway):
+            async with httpx.AsyncClient(base_url=gateway.url, headers=AUTH) as http:
+                ok = await http.post("/v1/completions", content=BODY, headers={"content-type": "application/json"})
+                assert ok.status_code == 200, ok.text
+    finally:
+        await stop_server(server, grace=0.5)
+
+
+@pytest.mark.parametrize(
+    "argv,env,says",
+    [
+        (["--host", "0.0.0.0"], {}, "is not loopback: set HINTSERVE_ENGINE_TOKEN"),
+        (["--host", "127.0.0.1", "--no-auth"], {"HINTSERVE_ENGINE_TOKEN": "t"}, "--no-auth contradicts"),
+    ],
+    ids=["public-without-token", "no-auth-and-token"],
+)
+def test_engine_refuses_a_public_port_without_a_token(
+    argv: list[str], env: dict[str, str], says: str, tiny_mixtral_dir: str, capfd: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from services import cli
+
+    monkeypatch.delenv("HINTSERVE_ENGINE_TOKEN", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert cli.main(["engine", "--model", tiny_mixtral_dir, "--port", "0", *argv]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err

@@ -15,8 +15,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from services.common.hosts import is_loopback_host
 from services.gateway.admin import build_replay_config, check_admin, load_replay_module
-from services.gateway.edge import is_loopback_host
 from services.gateway.errors import APIError, bad_request
 from services.gateway.middleware import GatewayMiddleware
 from services.gateway.openapi import install_body_schemas

@@ -18,6 +18,7 @@ import signal
 import sys
 from typing import Any
 
+from services.common.hosts import is_loopback_host
 from services.common.metrics_http import add_metrics_args, check_metrics_port
 from services.gateway.auth import ADMIN_KEY_ENV, API_KEYS_ENV, load_api_keys
 from services.gateway.config import (
@@ -28,7 +29,6 @@ from services.gateway.config import (
     parse_engine_addresses,
 )
 from services.gateway.drain import DEFAULT_DRAIN_TIMEOUT_S, DRAIN_TIMEOUT_ENV, default_drain_timeout_s
-from services.gateway.edge import is_loopback_host
 
 DEFAULT_MODEL_DIR = "models/demo-moe"
 

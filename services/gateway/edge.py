@@ -11,29 +11,14 @@
 
 from __future__ import annotations
 
-import ipaddress
 from typing import Any
 from urllib.parse import urlsplit
 
+from services.common.hosts import is_loopback_host
 from services.gateway.errors import APIError
 
 MAX_HEADER_BYTES = 16 << 10
 JSON_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/admin/replay")
-
-
-def is_loopback_host(host: str) -> bool:
-    """'localhost', '*.localhost', 127.0.0.0/8 or ::1 (brackets and a port allowed)."""
-    if host.startswith("["):
-        host = host[1 : host.find("]")] if "]" in host else host
-    elif host.count(":") == 1:
-        host = host.rsplit(":", 1)[0]
-    host = host.lower().rstrip(".")
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _loopback_origin(origin: str) -> bool:
