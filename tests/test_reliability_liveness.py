@@ -9,12 +9,14 @@ import asyncio
 import json
 import os
 import signal
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
 
+from services.gateway.engine_client import InProcessEngineClient
 from tests.test_gateway_support import (
     API_KEY,
     MODEL,
@@ -75,6 +77,27 @@ async def test_a_silent_engine_before_the_first_byte_is_a_504(engine: Any, tiny_
         assert gateway.pool.engines[0].outstanding == 0
 
 
+async def test_a_request_queued_in_a_busy_engine_is_not_cut(demo_model_dir: str) -> None:
+    """Silent is not hung: with one sequence slot, the second request waits in the engine's queue (no output)
+    for longer than the idle deadline while the engine steps for the first; it must not be cut. (The demo
+    model: slow enough per token on a CPU that the first request outlasts the deadline several times.)"""
+    timeout = 1.0  # the engine reports its step counters about every 0.25 s
+    async with started_engine(demo_model_dir, max_num_seqs=1) as engine:
+        async with running_gateway([InProcessEngineClient(engine)], demo_model_dir, model_name=MODEL,
+                                   stream_idle_timeout_s=timeout, health_interval_s=0.1) as (_, server):
+            first = asyncio.create_task(_stream_lines(server, {**STREAM, "max_tokens": 300}))
+            await wait_for(lambda: engine.stats().get("num_running", 0) == 1, what="the first request running")
+            start = time.monotonic()
+            queued = await _stream_lines(server, {**STREAM, "max_tokens": 4})
+            waited = time.monotonic() - start
+            assert json.loads(queued[-2])["choices"][0]["finish_reason"] == "length", queued[-2:]
+            assert json.loads((await first)[-2])["choices"][0]["finish_reason"] == "length"
+            if waited < 2 * timeout:
+                pytest.skip(f"the first request ran only {waited:.2f} s: too fast to exercise the deadline here")
+            samples = await scrape(server)
+            assert sample_sum(samples, "hintserve_stream_cuts_total") == -1  # no cut at all
+
+
 async def test_streams_on_an_engine_turning_unhealthy_are_cut_at_once(engine: Any, tiny_mixtral_dir: str) -> None:
     backend = HeldEngineClient(engine)
     # No idle deadline: only the health change can end the held stream.
@@ -116,7 +139,6 @@ async def test_a_frozen_core_trips_the_step_watchdog_and_ends_every_stream(tiny_
     (the CLI then exits 1) and reports not running."""
     from services.engine.async_engine import AsyncLLMEngine
     from services.engine.config import EngineConfig
-    from services.gateway.engine_client import InProcessEngineClient
 
     engine = AsyncLLMEngine(EngineConfig(model=tiny_mixtral_dir, max_num_seqs=4, step_watchdog_s=1.0))
     await engine.start()

@@ -117,8 +117,9 @@ def _add_gateway_args(parser: argparse.ArgumentParser) -> None:
         "--stream-idle-timeout-s",
         type=float,
         default=None,
-        help="an engine that sends nothing for this long (first output included) gets its request aborted and "
-        f"the client an error (default {DEFAULT_STREAM_IDLE_TIMEOUT_S:g}; 0: off; env {STREAM_IDLE_TIMEOUT_ENV})",
+        help="a request that gets no output for this long (first output included) while its engine makes no "
+        "progress at all is aborted and the client gets an error "
+        f"(default {DEFAULT_STREAM_IDLE_TIMEOUT_S:g}; 0: off; env {STREAM_IDLE_TIMEOUT_ENV})",
     )
 
 

@@ -38,7 +38,7 @@ class GatewayConfig:
     health_interval_s: float = 2.0
     drain_timeout_s: float = 30.0  # SIGTERM: how long streams may run on before they are cut
     request_read_timeout_s: float = 30.0  # a request's headers and body must arrive within this
-    # An engine silent this long (no output while the gateway waits on it) gets its request cut; 0: off.
+    # A request without output this long, on an engine whose step counters do not move either, is cut; 0: off.
     stream_idle_timeout_s: float = DEFAULT_STREAM_IDLE_TIMEOUT_S
 
     def validate(self) -> None:

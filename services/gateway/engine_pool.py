@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,14 @@ class EngineHandle:
     last_error: str = ""
     failures: int = 0  # requests that failed over away from this engine
     retired: bool = False  # dropped by discovery: no new requests; the client closes once none is left
+    steps: float = -1.0  # the engine's step counters as last seen ...
+    progress_at: float = 0.0  # ... and when they last moved (monotonic): the engine is stepping, not hung
+
+    def saw_stats(self, stats: dict[str, float]) -> None:
+        self.stats = stats
+        steps = sum(v for k, v in stats.items() if k.endswith("_steps_total"))
+        if steps != self.steps:
+            self.steps, self.progress_at = steps, time.monotonic()
 
     @property
     def address(self) -> str:
@@ -109,7 +118,7 @@ class EnginePool:
             if ok and (handle.model_info is None or not handle.healthy):  # (re)started: maybe another model
                 handle.model_info = await asyncio.wait_for(handle.client.model_info(), timeout)
             if ok:
-                handle.stats = await asyncio.wait_for(handle.client.stats(), timeout)
+                handle.saw_stats(await asyncio.wait_for(handle.client.stats(), timeout))
             reason = "" if ok else "engine reports NOT_SERVING"
         except Exception as exc:  # unreachable, timed out, or dead: all mean "do not route here"
             ok, reason = False, describe_error(exc)
@@ -120,7 +129,7 @@ class EnginePool:
 
         async def one(handle: EngineHandle) -> None:
             try:
-                handle.stats = await asyncio.wait_for(handle.client.stats(), self.check_timeout_s)
+                handle.saw_stats(await asyncio.wait_for(handle.client.stats(), self.check_timeout_s))
             except Exception:
                 pass  # the health round decides about health; a scrape just keeps the last values
 

@@ -1,7 +1,8 @@
 """Liveness of engine streams: a request whose engine stays silent past the idle deadline, or turns unhealthy,
 is cut (engine request aborted, the client told) instead of waiting for as long as the engine hangs.
 
-The per-token path only stores a timestamp; one sweeper task per gateway checks the deadlines, and the
+"Silent" is judged per stream and per engine: a stream is cut for idleness only when its engine's step
+counters (polled with its stats) have not moved either. The per-token path only stores a timestamp; one sweeper task per gateway checks the deadlines, and the
 engine pool's health changes cut the streams of an engine that went down at once. A cut cancels the task
 that awaits the engine's next output: the cancellation runs the backend's cleanup (gRPC call cancelled,
 in-process request aborted) and `next_output` turns it into the APIError the client sees.
@@ -116,5 +117,8 @@ class StreamWatch:
             now = time.monotonic()
             for entry in list(self.entries.values()):
                 since = entry.waiting_since
-                if since is not None and now - since > timeout and entry.cut is None:
+                # Silent past the deadline, and so is its engine: a request queued or preempted inside an
+                # engine that keeps stepping (its step counters move) is waiting its turn, not hung.
+                if (since is not None and now - since > timeout and entry.cut is None
+                        and now - entry.handle.progress_at > timeout):
                     self._cut(entry, idle_timeout_error(timeout), "idle_timeout")
