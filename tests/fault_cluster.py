@@ -6,6 +6,8 @@ Never the system Redis on 6379: the faults kill and restart the Redis, so it is 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import shutil
 import signal
@@ -20,6 +22,7 @@ import httpx
 from tests.live_processes import LiveProcess, free_port, hintserve, poll
 
 API_KEY = "fault-test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}  # /ready lists the engines only to key holders
 MODEL = "demo-moe"
 
 
@@ -98,10 +101,13 @@ def load(url: str, requests: int, concurrency: int, max_tokens: int = 24) -> Out
 
 
 class Cluster:
-    def __init__(self, model_dir: str, work: Path, drain_timeout_s: float = 2.0) -> None:
+    def __init__(
+        self, model_dir: str, work: Path, drain_timeout_s: float = 2.0, stream_idle_timeout_s: float = 6.0
+    ) -> None:
         self.model_dir = model_dir
         self.work = work
         self.drain_timeout_s = drain_timeout_s
+        self.stream_idle_timeout_s = stream_idle_timeout_s
         self.redis_port = free_port()
         self.redis_url = f"redis://127.0.0.1:{self.redis_port}/0"
         self.engine_ports = [free_port(), free_port()]
@@ -148,6 +154,7 @@ class Cluster:
         argv = hintserve(
             "gateway", "--engines", engines, "--tokenizer", self.model_dir, "--model-name", MODEL, "--port", "0",
             "--health-interval-s", "2", "--drain-timeout-s", str(self.drain_timeout_s),
+            "--stream-idle-timeout-s", str(self.stream_idle_timeout_s),
         )
         self.processes["gateway"] = LiveProcess("gateway", argv, env={"HINTSERVE_API_KEYS": API_KEY})
         self.gateway_url = self.processes["gateway"].wait_for_line(r"gateway serving .* at (http://\S+)/v1 \(2/2").group(1)
@@ -162,13 +169,33 @@ class Cluster:
     def kill(self, name: str) -> None:
         self.processes[name].stop(signal.SIGKILL)
 
+    def process_tree(self, name: str) -> list[int]:
+        """The process and its descendants (an engine's core process, multiprocessing's helpers)."""
+        pids, i = [self.processes[name].proc.pid], 0
+        while i < len(pids):
+            for task in Path(f"/proc/{pids[i]}/task").glob("*"):
+                with contextlib.suppress(OSError):
+                    pids += [int(p) for p in (task / "children").read_text().split()]
+            i += 1
+        return pids
+
+    def engine_stats(self, i: int) -> dict[str, float]:
+        """Engine i's counters, straight from its gRPC Stats (not through the gateway)."""
+        from services.engine.grpc_client import EngineClient
+
+        async def ask() -> dict[str, float]:
+            async with EngineClient(f"127.0.0.1:{self.engine_ports[i]}") as client:
+                return await asyncio.wait_for(client.stats(), 10)
+
+        return asyncio.run(ask())
+
     def stop(self) -> dict[str, int]:
         order = ["gateway", "engine0", "engine1", "predictor", "redis"]
         return {name: self.processes[name].stop() for name in order if name in self.processes}
 
     # ---- observations ----
     def healthy_engines(self) -> int:
-        ready = httpx.get(f"{self.gateway_url}/ready", timeout=10).json()
+        ready = httpx.get(f"{self.gateway_url}/ready", headers=AUTH, timeout=10).json()
         return sum(1 for e in ready["engines"] if e["healthy"])
 
     def wait_healthy_engines(self, n: int, timeout_s: float = 60.0) -> float:

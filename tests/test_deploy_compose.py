@@ -15,6 +15,7 @@ import jsonschema
 import pytest
 import yaml
 
+from services.common.engine_token import ENGINE_TOKEN_ENV
 from services.engine.config import EngineConfig
 from services.engine.offload.policies import POLICIES
 from services.gateway.auth import ADMIN_KEY_ENV, API_KEYS_ENV
@@ -35,9 +36,10 @@ from tests.deploy_files import (
 
 # The env vars each of our services reads (besides the process basics below).
 SERVICE_ENV = {
-    "engine": {f"HINTSERVE_{f.name.upper()}" for f in dataclasses.fields(EngineConfig) if f.name != "extra"},
+    "engine": {f"HINTSERVE_{f.name.upper()}" for f in dataclasses.fields(EngineConfig) if f.name != "extra"}
+    | {ENGINE_TOKEN_ENV},
     "predictor": {REDIS_URL_ENV},
-    "gateway": {API_KEYS_ENV, ADMIN_KEY_ENV},
+    "gateway": {API_KEYS_ENV, ADMIN_KEY_ENV, ENGINE_TOKEN_ENV},
     "loadgen": {"OPENAI_API_KEY"},  # loadgen's --api-key default
 }
 

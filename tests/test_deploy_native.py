@@ -105,7 +105,8 @@ def layout(demo_model_dir: str) -> Iterator[SimpleNamespace]:
                     "--port": "0",
                 },
             ),
-            env={"HINTSERVE_API_KEYS": API_KEY},
+            # The engine token as compose hands it to both (the engine got it with the compose env above).
+            env={"HINTSERVE_API_KEYS": API_KEY, "HINTSERVE_ENGINE_TOKEN": engine_env["HINTSERVE_ENGINE_TOKEN"]},
         )
         processes.append(gateway)
         gateway_url = gateway.wait_for_line(r"gateway serving .* at (http://\S+)/v1 \(1/1").group(1)

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.fault_cluster import Cluster, Outcome, load
+from tests.fault_cluster import AUTH, Cluster, Outcome, load
 from tests.live_processes import poll
 
 FIGURES: dict[str, dict[str, object]] = {}
@@ -43,7 +43,7 @@ def _in_background(url: str, requests: int, concurrency: int, max_tokens: int) -
 
 
 def _outstanding(cluster: Cluster, engine: int) -> int:
-    ready = httpx.get(f"{cluster.gateway_url}/ready", timeout=10).json()
+    ready = httpx.get(f"{cluster.gateway_url}/ready", headers=AUTH, timeout=10).json()
     return ready["engines"][engine]["outstanding"]
 
 
@@ -96,6 +96,43 @@ def test_one_engine_killed(cluster: Cluster) -> None:
         "while_down": during.as_dict(),
         "engine_restart_s": round(start_s, 2),
         "readmitted_after_listening_s": round(readmit_s, 2),
+    }
+
+
+def test_one_engine_frozen(cluster: Cluster) -> None:
+    """SIGSTOP on engine 0 (its gRPC process and its core) mid-stream: its streams end with an error event
+    within the gateway's idle deadline, new requests go to engine 1, and after SIGCONT it is re-admitted with
+    nothing left running or holding KV blocks, on either side."""
+    steps = cluster.engine_stats(0).get("decode_steps_total", 0)
+    thread, outcome = _in_background(cluster.gateway_url, 8, 8, 200)
+    # Streaming, not just admitted: a request without output yet would rightly fail over to engine 1.
+    poll(lambda: _outstanding(cluster, 0) > 0 and cluster.engine_stats(0).get("decode_steps_total", 0) > steps + 10,
+         "streams on engine 0", every_s=0.02)
+    pids = cluster.process_tree("engine0")
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    frozen = time.monotonic()
+    try:
+        deadline = cluster.stream_idle_timeout_s + 2  # the sweeper's tick and a loaded machine
+        poll(lambda: _outstanding(cluster, 0) == 0, "engine 0's streams cut", deadline, every_s=0.05)
+        cut_s = time.monotonic() - frozen
+        during = load(cluster.gateway_url, 4, 4, 16)  # engine 0 frozen: everything goes to engine 1
+        thread.join(180)
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    readmit_s = cluster.wait_healthy_engines(2)
+    _clear(outcome)
+    assert 1 <= outcome.clear_errors <= 8 and during.ok == during.sent
+    for i in (0, 1):
+        poll(lambda i=i: _outstanding(cluster, i) == 0, f"engine {i} released by the gateway", 30)
+        poll(lambda i=i: cluster.engine_stats(i)["num_running"] == 0 == cluster.engine_stats(i)["kv_blocks_used"],
+             f"engine {i} idle with its KV blocks free", 30)
+    FIGURES["one engine frozen (SIGSTOP)"] = {
+        **outcome.as_dict(),
+        "while_frozen": during.as_dict(),
+        "streams_cut_after_s": round(cut_s, 2),
+        "readmitted_after_sigcont_s": round(readmit_s, 2),
     }
 
 

@@ -79,6 +79,8 @@ _WEIRD = st.one_of(
     st.booleans(),
     _INTS,
     st.floats(allow_nan=True, allow_infinity=True),
+    # fp32's edges: beyond its max a value overflows the sampler's tensors, below its smallest normal a divisor
+    st.sampled_from([3.4028234663852886e38, 3.5e38, 1e39, 1e308, -1e308, 1e-46, 1.1754943508222875e-38]),
     st.sampled_from(["", "yes", "2", "a\ud800", "\udfff", "\x00", "Hi", "POST", "stop"]),
     st.text(max_size=8),
     st.lists(_INTS, max_size=4),

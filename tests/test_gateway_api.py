@@ -388,7 +388,7 @@ async def test_body_over_limit_413(served: SimpleNamespace) -> None:
         yield b'"}'
 
     async with httpx.AsyncClient(base_url=served.server.url) as http:
-        r = await http.post("/v1/completions", content=chunked(), headers=AUTH)
+        r = await http.post("/v1/completions", content=chunked(), headers={**AUTH, "content-type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 
@@ -397,8 +397,9 @@ async def test_models_health_ready_and_unknown_route(served: SimpleNamespace) ->
     assert [m.id for m in models.data] == [MODEL]
     async with httpx.AsyncClient(base_url=served.server.url) as http:
         assert (await http.get("/health")).json() == {"status": "ok"}
-        ready = await http.get("/ready")
+        ready = await http.get("/ready", headers=AUTH)
         assert ready.status_code == 200 and ready.json()["engines"][0]["healthy"] is True
+        assert (await http.get("/ready")).json() == {"status": "ready"}  # without a key: the bare status
         missing = await http.get("/v1/nothing-here", headers=AUTH)
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
 

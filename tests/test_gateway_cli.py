@@ -160,7 +160,8 @@ async def test_replay_endpoint_auth_and_validation(
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     r = await http.post("/v1/admin/replay", json={"trace": "conv", "speedup": -1}, headers=_admin(ADMIN_KEY))
     assert r.status_code == 400 and "speedup" in r.json()["error"]["message"]
-    r = await http.post("/v1/admin/replay", content=b"{nope", headers=_admin(ADMIN_KEY))
+    r = await http.post("/v1/admin/replay", content=b"{nope",
+                        headers={**_admin(ADMIN_KEY), "content-type": "application/json"})
     assert r.status_code == 400
 
     # Without HINTSERVE_ADMIN_KEY the admin API is off.

@@ -78,13 +78,19 @@ async def poll(predicate: Callable[[], bool], timeout: float = 10.0, what: str =
         await asyncio.sleep(0.01)
 
 
-@pytest.fixture(params=["redis", "inprocess"])
-async def broker(request) -> AsyncIterator[Broker]:
-    b = make_broker(REDIS_URL if request.param == "redis" else None)
+async def open_broker(url: str | None) -> Broker:
+    """A broker that answers, or the test skipped (no Redis on 127.0.0.1:6379)."""
+    b = make_broker(url)
     try:
         await b.ping()
     except ConnectionError:
         pytest.skip("no Redis on 127.0.0.1:6379")
+    return b
+
+
+@pytest.fixture(params=["redis", "inprocess"])
+async def broker(request) -> AsyncIterator[Broker]:
+    b = await open_broker(REDIS_URL if request.param == "redis" else None)
     yield b
     await b.close()
 

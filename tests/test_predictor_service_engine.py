@@ -255,3 +255,31 @@ async def test_link_stops_when_its_engine_is_dropped() -> None:
     del hints
     gc.collect()
     await poll(lambda: not link._thread.is_alive(), what="the link thread to exit")
+
+
+async def test_signed_contexts_and_hints_with_a_broker_secret(tiny_mixtral_dir, expected, monkeypatch) -> None:
+    """HINTSERVE_BROKER_SECRET on both sides: contexts and hints are signed and flow as before; a hint batch
+    someone else writes to the engine's channel, unsigned, is dropped and counted."""
+    from services.common.broker import hint_channel
+    from services.common.protos import predictor_pb2 as pb
+    from services.common.signing import SECRET_ENV
+
+    monkeypatch.setenv(SECRET_ENV, "e2e-secret")
+    engine_id = f"signed-{uuid.uuid4().hex[:8]}"
+    service, task = await _service(REDIS_URL, engine_id)
+    await asyncio.wait_for(service.ready.wait(), 5)
+    engine = _engine(tiny_mixtral_dir, redis_url=REDIS_URL, engine_id=engine_id)
+    try:
+        await poll(lambda: engine.stats()["predictor_link_connected"] == 1, what="link connected")
+        assert await asyncio.to_thread(engine.generate, PROMPTS, GREEDY) == expected
+        await poll(lambda: engine.stats()["offload_hints_received_total"] > 0, what="signed hints at the engine")
+        assert service.stats().get('contexts_rejected_total{reason="unsigned"}', 0) == 0
+        forged = pb.HintBatch(engine_id=engine_id, hints=[pb.Hint(request_id="x", iteration=1, layer=0, experts=[1])])
+        await service.broker.publish(hint_channel(engine_id), forged.SerializeToString())
+        await poll(lambda: engine.stats()["predictor_hint_batches_invalid_total"] == 1, what="the forged batch dropped")
+    finally:
+        _close(engine)
+        await _stop_service(service, task)
+        client = redis.Redis.from_url(REDIS_URL)
+        await client.xgroup_destroy(CONTEXT_STREAM, f"test-{engine_id}")
+        await client.aclose()

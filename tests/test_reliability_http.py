@@ -67,7 +67,8 @@ async def test_slow_requests_get_408_and_disconnects_count_499(engine: Any, tiny
         host, port = "127.0.0.1", server.port
         try:
             # Stalled mid-headers, then stalled mid-body: both get 408 and the connection is closed.
-            headers = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + API_KEY.encode()
+            headers = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Authorization: Bearer " + API_KEY.encode())
             for partial in (headers[:-3], headers + b'\r\nContent-Length: 100\r\n\r\n{"model"'):
                 reader, writer = await asyncio.open_connection(host, port)
                 writer.write(partial)

@@ -118,3 +118,60 @@ def test_sampler_clamps_what_admission_would_refuse() -> None:
     seqs = [Sequence("bad", [1, 2], bad, 16), Sequence("ok", [1, 2], SamplingParams(temperature=0.0), 16)]
     tokens = sample(torch.randn(2, vocab), seqs, (2**40,), torch.Generator().manual_seed(0))
     assert all(0 <= t < vocab for t in tokens)
+
+
+# Every numeric request field at the fp32 / int32 / int64 edges and beyond (issue 30: repetition_penalty 3.5e38
+# passed both validators and overflowed the sampler's fp32 tensor: a 500).
+NUMERIC_FIELDS = [
+    "temperature", "top_p", "top_k", "seed", "max_tokens", "min_tokens", "n", "frequency_penalty",
+    "presence_penalty", "repetition_penalty", "stop_token_ids", "max_completion_tokens", "prompt",
+]
+EDGES: list[Any] = [
+    0, -0.0, 1, -1, 1e-46, 1e-40, 1.1754943508222875e-38, 3.4028234663852886e38, 3.5e38, 1e39, 1e308,
+    -1e308, float("inf"), float("-inf"), float("nan"), 2**31 - 1, 2**31, -(2**31) - 1, 2**63, 2**64,
+]
+
+
+def _edge_body(field: str, value: Any) -> tuple[str, bytes]:
+    if field == "max_completion_tokens":
+        path, body = "/v1/chat/completions", {**CHAT, "max_tokens": 2}
+    else:
+        path, body = "/v1/completions", {**COMPLETION, "max_tokens": 2}
+    body[field] = [value] if field in ("stop_token_ids", "prompt") else value
+    return path, json.dumps(body).encode()  # inf / nan as JSON's Infinity / NaN, as a lax client sends them
+
+
+async def test_every_numeric_field_at_the_edges_is_never_a_5xx(gateways: SimpleNamespace) -> None:
+    for url in gateways.urls:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            for field in NUMERIC_FIELDS:
+                for value in EDGES:
+                    path, body = _edge_body(field, value)
+                    r = await http.post(path, content=body, headers=AUTH)
+                    assert r.status_code in (200, 400), (url, field, value, r.status_code, r.text[:300])
+                    if r.status_code == 400:
+                        error = r.json()["error"]
+                        named = (error["param"] or "").split(".")[0].split("[")[0]
+                        # A huge max_tokens is a context-length error, which names the prompt (as OpenAI).
+                        allowed = ("prompt", "messages") if error["code"] == "context_length_exceeded" else (field,)
+                        assert named in allowed, (url, field, value, error)
+            await _still_serves(http, gateways.engine)
+
+
+@pytest.mark.parametrize("name", ["temperature", "top_p", "frequency_penalty", "presence_penalty", "repetition_penalty"])
+def test_engine_validator_admits_only_floats_the_sampler_can_hold(name: str) -> None:
+    """Straight into SamplingParams (the engine's validator for gRPC and in-process callers): each edge
+    value is refused naming the field, or the sampler runs with it and picks a token in the vocabulary."""
+    vocab = 32
+    for value in EDGES:
+        params = SamplingParams(temperature=1.0, seed=3)
+        setattr(params, name, value)
+        try:
+            params.validate(vocab)
+        except ValueError as exc:
+            assert getattr(exc, "param", None) == name, (name, value, exc)
+            continue
+        seq = Sequence("edge", [1, 2, 3], params, 16)
+        logits = torch.randn(1, vocab) * 30
+        [token] = sample(logits, [seq], (0,), torch.Generator().manual_seed(0))
+        assert 0 <= token < vocab, (name, value)

@@ -14,6 +14,16 @@ class InvalidInput(ValueError):
     """A message whose shapes or values do not fit (gRPC INVALID_ARGUMENT)."""
 
 
+# Bounds on what a message may declare (Redis is a trust boundary): well above every supported model
+# (DeepSeek-V3: 61 layers x 256 experts, hidden 7168), far below what would exhaust memory. A context
+# carries two num_layers x num_experts float32 matrices, and predictors keep state of that size per model.
+MAX_LAYERS = 512
+MAX_EXPERTS = 4096
+MAX_CELLS = 1 << 18  # num_layers x num_experts
+MAX_HIDDEN = 1 << 16
+MAX_NAME_CHARS = 256  # model names and request ids
+
+
 @dataclass(frozen=True)
 class Shape:
     model: str
@@ -35,8 +45,14 @@ class Shape:
         )
 
     def validate(self) -> None:
-        if not self.model:
-            raise InvalidInput("shape.model must name the model")
+        if not self.model or len(self.model) > MAX_NAME_CHARS:
+            raise InvalidInput(f"shape.model must name the model in 1 to {MAX_NAME_CHARS} characters")
+        if (self.num_layers > MAX_LAYERS or self.num_experts > MAX_EXPERTS or self.hidden_size > MAX_HIDDEN
+                or self.num_layers * self.num_experts > MAX_CELLS):
+            raise InvalidInput(
+                f"shape {self.num_layers} layers x {self.num_experts} experts, hidden {self.hidden_size}, is over "
+                f"the bounds ({MAX_LAYERS} layers, {MAX_EXPERTS} experts, {MAX_CELLS} cells, hidden {MAX_HIDDEN})"
+            )
         if self.num_layers < 1 or self.num_experts < 1 or self.hidden_size < 0:
             raise InvalidInput(
                 f"shape needs num_layers >= 1, num_experts >= 1, hidden_size >= 0; got {self.num_layers}, "
@@ -54,9 +70,9 @@ def _floats(data: bytes, what: str, rid: str) -> np.ndarray:
 
 def _matrix(data: bytes, shape: Shape, what: str, rid: str) -> np.ndarray:
     size = shape.num_layers * shape.num_experts
-    arr = _floats(data, what, rid)
-    if arr.size == 0 and what == "counts":
+    if not data and what == "counts":
         return np.zeros((shape.num_layers, shape.num_experts), np.float32)  # optional for tools
+    arr = _floats(data[: 4 * size + 4], what, rid)  # never copy more than the shape allows (+1: to say so)
     if arr.size != size:
         raise InvalidInput(
             f"context {rid!r}: {what} has {arr.size} values, expected num_layers x num_experts = "
@@ -70,14 +86,14 @@ def _matrix(data: bytes, shape: Shape, what: str, rid: str) -> np.ndarray:
 def to_context(msg: pb.IterationContext, shape: Shape) -> IterationContext:
     """Validated conversion; raises InvalidInput naming the field."""
     rid = msg.request_id
-    if not rid:
-        raise InvalidInput("context.request_id must not be empty")
+    if not rid or len(rid) > MAX_NAME_CHARS:
+        raise InvalidInput(f"context.request_id must have 1 to {MAX_NAME_CHARS} characters")
     if msg.iteration < 0 or not 0 <= msg.layers_seen <= shape.num_layers:
         raise InvalidInput(
             f"context {rid!r}: iteration must be >= 0 and layers_seen in [0, {shape.num_layers}], "
             f"got {msg.iteration} and {msg.layers_seen}"
         )
-    emb = _floats(msg.embedding, "embedding", rid)
+    emb = _floats(msg.embedding[: 4 * shape.hidden_size + 4], "embedding", rid)
     if emb.size != shape.hidden_size:
         raise InvalidInput(f"context {rid!r}: embedding has {emb.size} values, expected {shape.hidden_size}")
     return IterationContext(

@@ -13,17 +13,23 @@ import logging
 import multiprocessing
 import threading
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-
-from transformers import AutoTokenizer
 
 from services.engine.config import EngineConfig
 from services.engine.engine_core import CoreOutput, engine_core_main, run_engine_core
 from services.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
-from services.engine.input_processor import InputProcessor, apply_chat_template, has_chat_template
+from services.engine.input_processor import (
+    INLINE_TOKENIZE_CHARS,
+    InputProcessor,
+    apply_chat_template,
+    has_chat_template,
+)
 from services.engine.output_processor import RequestStream, text_delta
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
+from services.engine.startup_checks import load_tokenizer
+from services.engine.watchdog import StepWatchdog
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +50,7 @@ class AsyncLLMEngine:
         config.validate()
         self.config = config
         self.core_in_thread = core_in_thread
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
+        self.tokenizer = load_tokenizer(config.model)  # ValueError naming the directory if it does not load
         self.input_processor: InputProcessor | None = None
         self._requests: dict[str, _Request] = {}
         self._model_info: dict[str, object] = {}
@@ -55,6 +61,11 @@ class AsyncLLMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: EngineDeadError | None = None
         self._dead: asyncio.Event | None = None  # set when the core fails: the serving process should exit
+        self._watchdog: StepWatchdog | None = None
+        # One thread: long prompts are tokenized off the event loop, one at a time (the tokenizer's Python
+        # wrapper is not meant for concurrent calls; the loop thread only decodes with it).
+        self._tokenize_pool: ThreadPoolExecutor | None = None  # made on the first long prompt
+        self._watchdog_task: asyncio.Task | None = None
 
     # ---- lifecycle ----
     async def start(self) -> None:
@@ -92,11 +103,17 @@ class AsyncLLMEngine:
         limits, self._model_info, self._stats = ready[1:]
         self.input_processor = InputProcessor(self.tokenizer, limits)
         self._loop.add_reader(from_core.fileno(), self._on_core_message)
+        if self.config.step_watchdog_s:
+            self._watchdog = StepWatchdog(self.config.step_watchdog_s, lambda: bool(self._requests), self._stalled)
+            self._watchdog_task = self._loop.create_task(self._watchdog.run(), name="hintserve-step-watchdog")
 
     async def shutdown(self) -> None:
         """Stops the core in order (in-flight requests end with finish_reason "abort") and reaps it."""
         if self._core is None:
             return
+        if self._watchdog_task is not None:
+            self._watchdog_task.cancel()
+            await asyncio.gather(self._watchdog_task, return_exceptions=True)
         self._stop_reading()
         try:
             self._to_core.send(("stop",))  # type: ignore[union-attr]
@@ -104,6 +121,9 @@ class AsyncLLMEngine:
             pass
         for request_id, req in list(self._requests.items()):
             self._finish_locally(request_id, req, "abort")
+        if self._tokenize_pool is not None:
+            self._tokenize_pool.shutdown(wait=False)
+            self._tokenize_pool = None
         await self._reap()
 
     async def _reap(self) -> None:
@@ -149,8 +169,20 @@ class AsyncLLMEngine:
             raise EngineDeadError("engine not started")
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
-        seq = self.input_processor.make_sequence(request_id, prompt, params)
+        make = self.input_processor.make_sequence
+        if isinstance(prompt, str) and len(prompt) > INLINE_TOKENIZE_CHARS:
+            if self._tokenize_pool is None:
+                self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="hintserve-tokenize")
+            seq = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, make, request_id, prompt, params)
+            if self._error is not None:  # the core died meanwhile
+                raise self._error
+            if request_id in self._requests:
+                raise InvalidRequestError(f"request id {request_id!r} is already in flight")
+        else:
+            seq = make(request_id, prompt, params)
         req = _Request(seq.serial, asyncio.Queue(), RequestStream(seq, self.tokenizer), list(params.stop))
+        if self._watchdog is not None:
+            self._watchdog.work_arrived(was_idle=not self._requests)
         self._requests[request_id] = req
         self._send(("add", request_id, seq.serial, seq.token_ids, params))
         try:
@@ -187,6 +219,8 @@ class AsyncLLMEngine:
     # ---- what the core sends ----
     def _on_core_message(self) -> None:
         conn = self._from_core
+        if self._watchdog is not None:
+            self._watchdog.progress()
         try:
             while conn is not None and conn.poll():
                 msg = conn.recv()
@@ -229,6 +263,14 @@ class AsyncLLMEngine:
     def _stop_reading(self) -> None:
         if self._from_core is not None and self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._from_core.fileno())
+
+    def _stalled(self, message: str) -> None:
+        """The step watchdog fired: the core is stuck, so it is killed (SIGKILL reaches a stopped process
+        too) and the engine fails as if the core had died."""
+        core = self._core
+        if isinstance(core, multiprocessing.process.BaseProcess) and core.is_alive():
+            core.kill()
+        self._core_died(message)
 
     def _core_died(self, message: str) -> None:
         if self._error is not None:

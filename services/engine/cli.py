@@ -23,6 +23,8 @@ def register(subparsers: Any) -> None:
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=ENGINE_PORT, help="0 picks a free port")
+    serve.add_argument("--no-auth", action="store_true",
+                       help="serve gRPC without HINTSERVE_ENGINE_TOKEN on a non-loopback --host (explicit opt-out)")
     add_metrics_args(serve, default_port=-1, what="engine")
     serve.set_defaults(func=run_engine)
 
@@ -69,6 +71,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_default: str | None =
                         help="int4 --weight-dtype: inputs per scale (64)")
     parser.add_argument("--enforce-eager", action="store_true", default=None,
                         help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
+    parser.add_argument("--step-watchdog-s", type=float, default=None,
+                        help="requests waiting and no engine step finished for this long: stop and exit 1 "
+                        "(default 60; 0: off)")
     offload = parser.add_argument_group("expert offload")
     offload.add_argument("--offload-policy", choices=tuple(POLICIES), default=None, help="default: resident")
     offload.add_argument("--expert-cache-gb", type=float, default=None, help="device expert cache budget in GB (1e9 bytes)")
@@ -98,6 +103,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     names = [f.name for f in dataclasses.fields(EngineConfig)]
     config = EngineConfig.from_env(**{n: getattr(args, n) for n in names if getattr(args, n, None) is not None})
     config.validate()  # raises FileNotFoundError / ValueError with a one-line message
+    from services.engine.startup_checks import check_kernel_cache, check_model_dir
+
+    check_model_dir(config.model)  # before the loader (and its process) can fail with a traceback
+    if config.device == "cpu":
+        check_kernel_cache()
     return config
 
 
@@ -115,9 +125,26 @@ def run_engine(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     check_metrics_port(args.metrics_port)
+    token = engine_grpc_token(args.host, args.no_auth)
     config = engine_config(args)
     engine = _load_engine(config)
-    return asyncio.run(_serve(engine, args.host, args.port, args.metrics_host, args.metrics_port))
+    return asyncio.run(_serve(engine, args.host, args.port, args.metrics_host, args.metrics_port, token))
+
+
+def engine_grpc_token(host: str, no_auth: bool) -> str | None:
+    """HINTSERVE_ENGINE_TOKEN; required when --host is not loopback (anything on the network could drive
+    the engine), unless --no-auth says otherwise explicitly, as the gateway's API keys are."""
+    from services.common.engine_token import ENGINE_TOKEN_ENV, engine_token
+    from services.common.hosts import is_loopback_host
+
+    token = engine_token()
+    if no_auth and token:
+        raise ValueError(f"--no-auth contradicts {ENGINE_TOKEN_ENV}: unset one of them")
+    if token is None and not no_auth and not is_loopback_host(host):
+        raise ValueError(
+            f"--host {host} is not loopback: set {ENGINE_TOKEN_ENV} (on the gateways too), or pass --no-auth"
+        )
+    return token
 
 
 def start_engine_metrics(engine: Any, host: str, port: int) -> MetricsEndpoint | None:
@@ -144,7 +171,9 @@ async def until_stopped_or_dead(stop: asyncio.Event, engine: Any) -> int:
     return 0
 
 
-async def _serve(engine: Any, host: str, port: int, metrics_host: str, metrics_port: int) -> int:
+async def _serve(
+    engine: Any, host: str, port: int, metrics_host: str, metrics_port: int, token: str | None = None
+) -> int:
     from services.engine.grpc_server import serve_engine, stop_server
 
     stop = asyncio.Event()
@@ -152,7 +181,7 @@ async def _serve(engine: Any, host: str, port: int, metrics_host: str, metrics_p
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await engine.start()
-    server, bound = await serve_engine(engine, host, port)
+    server, bound = await serve_engine(engine, host, port, token)
     metrics = start_engine_metrics(engine, metrics_host, metrics_port)
     try:
         info = engine.model_info()

@@ -22,6 +22,8 @@ class EngineConfig:
     kv_cache_mb: int | None = None  # None: enough blocks for max_num_seqs full-length sequences, capped
     seed: int = 0
     enforce_eager: bool = False  # CUDA: decode steps run eagerly, no CUDA graphs (vLLM's flag)
+    # Requests waiting and no step finished for this long: the core is stopped, the engine exits 1. 0: off.
+    step_watchdog_s: float | None = 60.0
     # Offload runtime (services/engine/offload): which policy, how big the device expert cache, which link.
     offload_policy: str = "resident"
     expert_cache_gb: float | None = None
@@ -64,6 +66,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.step_watchdog_s is not None and not 0 <= self.step_watchdog_s <= 86400:
+            raise ValueError(f"step_watchdog_s must be in [0, 86400], got {self.step_watchdog_s}")
         if self.kv_cache_mb is not None and self.kv_cache_mb < 1:
             raise ValueError(f"kv_cache_mb must be positive, got {self.kv_cache_mb}")
         if self.link not in ("emulated", "native"):

@@ -30,6 +30,7 @@ from services.engine.llm_engine import LLMEngine
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
 from services.engine.sequence import Sequence
+from services.engine.watchdog import HEARTBEAT_S
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class EngineCore:
         self.requests = requests
         self.outputs = outputs
         self._stats_due = 0.0
+        self._heartbeat_due = 0.0  # the frontend's step watchdog hears from a busy core at least this often
 
     def run(self) -> None:
         """Steps while there is work, blocks on the pipe when there is none; returns on ("stop",) or EOF."""
@@ -65,9 +67,13 @@ class EngineCore:
                 outputs = engine.step()
                 if outputs:
                     self._send_outputs(outputs)
+                elif time.monotonic() >= self._heartbeat_due:  # a step without outputs (a prefill chunk)
+                    self._heartbeat_due = time.monotonic() + HEARTBEAT_S
+                    self.outputs.send(("stats", engine.stats()))
 
     def _send_outputs(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
+        self._heartbeat_due = now + HEARTBEAT_S
         stats = None
         if now >= self._stats_due or any(o.finished for o in outputs):  # a finish frees blocks, bumps counters
             self._stats_due = now + STATS_INTERVAL_S

@@ -7,6 +7,7 @@ from typing import Any
 
 import grpc
 
+from services.common.engine_token import engine_token, token_metadata
 from services.common.protos import engine_pb2, engine_pb2_grpc
 from services.engine.sampling_params import SamplingParams
 
@@ -47,8 +48,10 @@ class EngineClient:
     RPC errors surface as `grpc.aio.AioRpcError` (check `.code()`: INVALID_ARGUMENT, ALREADY_EXISTS, ...).
     """
 
-    def __init__(self, address: str, channel: grpc.aio.Channel | None = None) -> None:
+    def __init__(self, address: str, channel: grpc.aio.Channel | None = None, token: str | None = None) -> None:
         self.address = address
+        # The engines' shared token (default: HINTSERVE_ENGINE_TOKEN), sent with every call.
+        self._metadata = token_metadata(token or engine_token())
         self._channel = channel or grpc.aio.insecure_channel(address, options=RECONNECT_OPTIONS)
         self.stub = engine_pb2_grpc.EngineStub(self._channel)
 
@@ -67,7 +70,7 @@ class EngineClient:
             request.text = prompt
         else:
             request.token_ids.ids.extend(prompt)
-        call = self.stub.Generate(request)
+        call = self.stub.Generate(request, metadata=self._metadata)
         try:
             async for response in call:
                 yield response
@@ -76,18 +79,18 @@ class EngineClient:
             call.cancel()
 
     async def abort(self, request_id: str) -> None:
-        await self.stub.Abort(engine_pb2.AbortRequest(request_id=request_id))
+        await self.stub.Abort(engine_pb2.AbortRequest(request_id=request_id), metadata=self._metadata)
 
     async def health(self) -> bool:
-        response = await self.stub.Health(engine_pb2.HealthRequest())
+        response = await self.stub.Health(engine_pb2.HealthRequest(), metadata=self._metadata)
         return response.status == engine_pb2.HealthResponse.SERVING
 
     async def model_info(self) -> dict[str, Any]:
-        response = await self.stub.ModelInfo(engine_pb2.ModelInfoRequest())
+        response = await self.stub.ModelInfo(engine_pb2.ModelInfoRequest(), metadata=self._metadata)
         return {name: getattr(response, name) for name in MODEL_INFO_FIELDS}
 
     async def stats(self) -> dict[str, float]:
-        response = await self.stub.Stats(engine_pb2.StatsRequest())
+        response = await self.stub.Stats(engine_pb2.StatsRequest(), metadata=self._metadata)
         return dict(response.counters)
 
     async def close(self) -> None:

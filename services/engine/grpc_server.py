@@ -8,14 +8,23 @@ from typing import Any
 
 import grpc
 
+from services.common.engine_token import token_matches
 from services.common.protos import engine_pb2, engine_pb2_grpc
 from services.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from services.engine.grpc_client import MODEL_INFO_FIELDS
+from services.engine.input_processor import MAX_REQUEST_ID_CHARS
 from services.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
 
+async def _check_request_id(request_id: str, context: grpc.aio.ServicerContext) -> None:
+    """Ids are echoed in errors and logs: bounded before anything else looks at them (never a 1 MB echo)."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}",
+        )
 
 
 def params_from_proto(msg: Any) -> SamplingParams:
@@ -57,6 +66,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> None:
         request_id = request.request_id or uuid.uuid4().hex
+        await _check_request_id(request_id, context)
         if request_id in self._in_flight:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already running")
         kind = request.WhichOneof("prompt")
@@ -84,6 +94,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             await stream.aclose()
 
     async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _check_request_id(request.request_id, context)
         # The engine returns False for ids it does not know (never seen, finished or already aborted).
         if not self._engine.abort(request.request_id):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no running request {request.request_id!r}")
@@ -110,6 +121,28 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         )
 
 
+_OPEN_METHODS = ("/hintserve.engine.v1.Engine/Health", "/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch")
+_STREAMING_METHODS = ("/hintserve.engine.v1.Engine/Generate",)
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):
+    """Every RPC but Health needs the shared token (services/common/engine_token.py): UNAUTHENTICATED else."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+        async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong engine token (HINTSERVE_ENGINE_TOKEN)")
+
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        if details.method in _OPEN_METHODS or token_matches(details.invocation_metadata, self.token):
+            return await continuation(details)
+        return self._deny_stream if details.method in _STREAMING_METHODS else self._deny_unary
+
+
 async def _add_health_service(server: grpc.aio.Server) -> None:
     """Register the standard grpc.health.v1 service when grpcio-health-checking is installed."""
     try:
@@ -123,14 +156,15 @@ async def _add_health_service(server: grpc.aio.Server) -> None:
 
 
 async def serve_engine(
-    engine: Any, host: str = "127.0.0.1", port: int = 50051
+    engine: Any, host: str = "127.0.0.1", port: int = 50051, token: str | None = None
 ) -> tuple[grpc.aio.Server, int]:
-    """Start a gRPC server for `engine`; port 0 picks a free port. Returns (server, bound port).
+    """Start a gRPC server for `engine`; port 0 picks a free port. Returns (server, bound port). With `token`,
+    callers must send it (services/common/engine_token.py).
 
     Stop it with `await stop_server(server)` (graceful: in-flight streams get a grace period, then are
     cancelled, which aborts their engine requests).
     """
-    server = grpc.aio.server()
+    server = grpc.aio.server(interceptors=[TokenInterceptor(token)] if token else None)
     engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), server)
     await _add_health_service(server)
     bound = server.add_insecure_port(f"{host}:{port}")

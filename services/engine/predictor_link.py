@@ -40,6 +40,7 @@ from services.common.broker import (
 )
 from services.common.messages import Shape
 from services.common.protos import predictor_pb2 as pb
+from services.common.signing import Sealer
 from services.engine.models.geometry import ExpertGeometry
 from services.engine.offload.prefetch.hints import HintPrefetcher
 from services.engine.offload.settings import PredictorSettings
@@ -83,6 +84,7 @@ class PredictorLink:
         self.stream = stream
         self.stream_maxlen = stream_maxlen
         self.backoff_s = backoff_s
+        self._sealer = Sealer.from_env()  # HINTSERVE_BROKER_SECRET: sign contexts, accept only signed hints
         self.connected = False
         self.service = None  # the embedded PredictorService, once running
         self.counts = {"published": 0, "dropped": 0, "hint_batches": 0, "sessions": 0, "invalid": 0}  # link thread
@@ -234,7 +236,7 @@ class PredictorLink:
                     engine_id=self.engine_id, shape=self.shape.to_pb(), sent_unix_ns=sent_ns,
                     step=ctx.step_index, contexts=encode_step(ctx, layers_seen, self.shape), predictor=self.predictor,
                 )
-                await broker.stream_append(self.stream, batch.SerializeToString(), self.stream_maxlen)
+                await broker.stream_append(self.stream, self._sealer.seal(batch.SerializeToString()), self.stream_maxlen)
                 self._queue.popleft()  # only once sent: a failure counts it as dropped
                 self.counts["published"] += len(ctx.request_ids)
 
@@ -247,9 +249,12 @@ class PredictorLink:
                 return
             if data is None:
                 continue
+            payload, _ = self._sealer.open(data)  # HINTSERVE_BROKER_SECRET set: unsigned hints are dropped
             try:
-                batch = pb.HintBatch.FromString(data)
+                batch = pb.HintBatch.FromString(payload) if payload is not None else None
             except DecodeError:
+                batch = None
+            if batch is None:
                 self.counts["invalid"] += 1
                 continue
             with self._lat_lock:
@@ -270,6 +275,7 @@ class PredictorLink:
             "predictor_contexts_published_total": float(self.counts["published"]),
             "predictor_contexts_dropped_total": float(self.counts["dropped"] + self.dropped_in_loop),
             "predictor_hint_batches_received_total": float(self.counts["hint_batches"]),
+            "predictor_hint_batches_invalid_total": float(self.counts["invalid"]),  # undecodable or unsigned
             "predictor_link_reconnects_total": float(max(0, self.counts["sessions"] - 1)),
             "predictor_hint_age_seconds": time.monotonic() - self._last_hint if self._last_hint else -1.0,
         }

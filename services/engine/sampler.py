@@ -124,7 +124,8 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     if repeated:
         index = torch.cat([state.seen_ids.filled + row * vocab for row, state in repeated])
         penalty = torch.cat(
-            [torch.full((state.seen_ids.size,), state.params.repetition_penalty) for _, state in repeated]
+            # float(): an int penalty (Python callers) would otherwise make an int64 tensor
+            [torch.full((state.seen_ids.size,), float(state.params.repetition_penalty)) for _, state in repeated]
         )
         seen_logits = flat_logits.index_select(0, index)
         penalised = torch.where(seen_logits > 0, seen_logits / penalty, seen_logits * penalty)

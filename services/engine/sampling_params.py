@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from services.engine.errors import ContextLengthExceededError, InvalidRequestError
@@ -10,6 +9,11 @@ from services.engine.errors import ContextLengthExceededError, InvalidRequestErr
 # The proto's integer types (engine.proto): every path into the engine must fit them.
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# The sampler computes in fp32: a float beyond FLOAT32_MAX overflows its tensors (a 500, not a 400), and a
+# divisor (temperature, top_p, repetition_penalty) below FLOAT32_TINY, the smallest normal, rounds to 0 or a
+# denormal there and turns logits into inf / NaN.
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38
 
 
 def is_valid_utf8(text: str) -> bool:
@@ -24,6 +28,16 @@ def is_valid_utf8(text: str) -> bool:
 def _check_int(name: str, value: object, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise InvalidRequestError(f"{name} must be an integer in [{low}, {high}], got {value!r}", name)
+
+
+def _check_float(name: str, value: object, low: float, high: float, zero: bool = False) -> None:
+    """value in [low, high] (or exactly 0 when `zero`); NaN, inf and non-numbers fail too."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok and not (zero and value == 0) and not low <= value <= high:  # NaN fails every comparison
+        ok = False
+    if not ok:
+        where = f"0 or a number in [{low:.9g}, {high:.9g}]" if zero else f"a number in [{low:.9g}, {high:.9g}]"
+        raise InvalidRequestError(f"{name} must be {where}, got {value!r}", name)
 
 
 DEFAULT_MAX_TOKENS = 16  # completions without max_tokens (OpenAI's legacy default); the engine's default
@@ -69,26 +83,19 @@ class SamplingParams:
         top_id = INT32_MAX if vocab_size is None else vocab_size - 1
         for token in self.stop_token_ids:
             _check_int("stop_token_ids", token, 0, top_id)
-        if not 0.0 <= self.temperature <= 100.0:
-            raise InvalidRequestError(f"temperature must be in [0, 100], got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_float("temperature", self.temperature, FLOAT32_TINY, 100.0, zero=True)
+        _check_float("top_p", self.top_p, FLOAT32_TINY, 1.0)
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequestError(
-                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}", "min_tokens"
             )
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty", "stop")
         if not all(is_valid_utf8(s) for s in self.stop):
             raise InvalidRequestError("stop strings must be valid UTF-8 (no lone surrogates)", "stop")
-        for name in ("frequency_penalty", "presence_penalty"):
-            value = getattr(self, name)
-            if not -2.0 <= value <= 2.0:  # also rejects NaN
-                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}")
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
-            raise InvalidRequestError(
-                f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty}"
-            )
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_float("repetition_penalty", self.repetition_penalty, FLOAT32_TINY, FLOAT32_MAX)  # 1 = off
 
     @property
     def greedy(self) -> bool:

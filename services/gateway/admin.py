@@ -14,7 +14,7 @@ import dataclasses
 import importlib
 from typing import Any
 
-from services.gateway.auth import bearer_token, key_matches
+from services.gateway.auth import bearer_token, key_matches, unauthorized
 from services.gateway.errors import APIError, bad_request
 
 _SET_BY_GATEWAY = ("url", "model", "api_key")
@@ -27,7 +27,7 @@ def check_admin(admin_key: str | None, authorization: str | None) -> None:
             403, "the admin API is disabled: set HINTSERVE_ADMIN_KEY to enable it", code="admin_disabled"
         )
     if not key_matches(bearer_token(authorization), [admin_key]):
-        raise APIError(401, "missing or incorrect admin key", code="invalid_api_key")
+        raise unauthorized("missing or incorrect admin key", invalid=authorization is not None)
 
 
 def load_replay_module() -> Any:

@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from services.common.hosts import is_loopback_host
 from services.gateway.admin import build_replay_config, check_admin, load_replay_module
 from services.gateway.errors import APIError, bad_request
 from services.gateway.middleware import GatewayMiddleware
@@ -88,6 +89,7 @@ def build_app(gateway: Gateway) -> FastAPI:
         metrics=gateway.metrics,
         max_body_bytes=gateway.config.max_body_bytes,
         drain=gateway.drain,
+        guard_loopback=not gateway.auth.enabled and is_loopback_host(gateway.config.host),
     )
 
     @app.exception_handler(APIError)
@@ -112,7 +114,8 @@ def build_app(gateway: Gateway) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
         arrival = time.monotonic()
-        request = parse_request(await raw.body(), ChatCompletionRequest)
+        body = await raw.body()
+        request = await gateway.serving.off_loop(len(body), parse_request, body, ChatCompletionRequest)  # large: off the loop
         return to_response(
             await until_disconnected(raw, gateway.chat.create_chat_completion(request, arrival))
         )
@@ -120,7 +123,8 @@ def build_app(gateway: Gateway) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
         arrival = time.monotonic()
-        request = parse_request(await raw.body(), CompletionRequest)
+        body = await raw.body()
+        request = await gateway.serving.off_loop(len(body), parse_request, body, CompletionRequest)  # large: off the loop
         return to_response(
             await until_disconnected(raw, gateway.completion.create_completion(request, arrival))
         )
@@ -147,14 +151,17 @@ def build_app(gateway: Gateway) -> FastAPI:
         return JSONResponse({"status": "ok"})  # alive; readiness is /ready
 
     @app.get("/ready")
-    async def ready() -> JSONResponse:
-        engines = [
-            {"address": h.address, "healthy": h.healthy, "outstanding": h.outstanding, "error": h.last_error}
-            for h in gateway.pool.engines
-        ]
+    async def ready(raw: Request) -> JSONResponse:
         ok = any(h.healthy and h.model_info is not None for h in gateway.pool.engines)
         status = "draining" if gateway.drain.draining else "ready" if ok else "not ready"
-        return JSONResponse({"status": status, "engines": engines}, 200 if status == "ready" else 503)
+        body: dict[str, Any] = {"status": status}
+        # The bare status is public (probes); engine addresses and errors only with an API key.
+        if gateway.auth.accepts(raw.headers.get("authorization")):
+            body["engines"] = [
+                {"address": h.address, "healthy": h.healthy, "outstanding": h.outstanding, "error": h.last_error}
+                for h in gateway.pool.engines
+            ]
+        return JSONResponse(body, 200 if status == "ready" else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -18,9 +18,20 @@ def load_api_keys(env_value: str | None = None, key_file: str | None = None) -> 
     if key_file:
         if not os.path.isfile(key_file):
             raise FileNotFoundError(f"--api-key-file not found: {key_file}")
-        with open(key_file, encoding="utf-8") as f:
-            keys += [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+        try:
+            with open(key_file, encoding="utf-8") as f:
+                keys += [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+        except OSError as exc:  # unreadable (permissions, a device): one line, not a traceback
+            raise ValueError(f"--api-key-file {key_file}: cannot be read: {exc.strerror or exc}") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"--api-key-file {key_file}: not UTF-8 text") from None
     return keys
+
+
+def unauthorized(message: str, invalid: bool = False) -> APIError:
+    """A 401 with the WWW-Authenticate challenge RFC 9110 requires (RFC 6750's error for a wrong token)."""
+    challenge = 'Bearer realm="hintserve"' + (', error="invalid_token"' if invalid else "")
+    return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": challenge})
 
 
 def bearer_token(authorization: str | None) -> str | None:
@@ -57,11 +68,13 @@ class Authenticator:
             return
         token = bearer_token(authorization)
         if token is None:
-            raise APIError(
-                401, "missing API key: send it as 'Authorization: Bearer <key>'", code="invalid_api_key"
-            )
+            raise unauthorized("missing API key: send it as 'Authorization: Bearer <key>'")
         if not key_matches(token, self.keys):
-            raise APIError(401, "incorrect API key provided", code="invalid_api_key")
+            raise unauthorized("incorrect API key provided", invalid=True)
+
+    def accepts(self, authorization: str | None) -> bool:
+        """Whether the request may see what only key holders see (always, with authentication off)."""
+        return self.keys is None or key_matches(bearer_token(authorization), self.keys)
 
     @property
     def any_key(self) -> str | None:

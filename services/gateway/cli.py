@@ -12,16 +12,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import logging
 import os
 import signal
 import sys
 from typing import Any
 
+from services.common.hosts import is_loopback_host
 from services.common.metrics_http import add_metrics_args, check_metrics_port
 from services.gateway.auth import ADMIN_KEY_ENV, API_KEYS_ENV, load_api_keys
-from services.gateway.config import GatewayConfig, parse_engine_addresses
+from services.gateway.config import (
+    DEFAULT_STREAM_IDLE_TIMEOUT_S,
+    STREAM_IDLE_TIMEOUT_ENV,
+    GatewayConfig,
+    env_seconds,
+    parse_engine_addresses,
+)
 from services.gateway.drain import DEFAULT_DRAIN_TIMEOUT_S, DRAIN_TIMEOUT_ENV, default_drain_timeout_s
 
 DEFAULT_MODEL_DIR = "models/demo-moe"
@@ -107,15 +113,14 @@ def _add_gateway_args(parser: argparse.ArgumentParser) -> None:
         default=d.request_read_timeout_s,
         help="a request's headers and body must arrive within this, else 408 (slow-client defence)",
     )
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    parser.add_argument(
+        "--stream-idle-timeout-s",
+        type=float,
+        default=None,
+        help="a request that gets no output for this long (first output included) while its engine makes no "
+        "progress at all is aborted and the client gets an error "
+        f"(default {DEFAULT_STREAM_IDLE_TIMEOUT_S:g}; 0: off; env {STREAM_IDLE_TIMEOUT_ENV})",
+    )
 
 
 def resolve_auth(args: argparse.Namespace, loopback_default_off: bool) -> tuple[list[str] | None, str]:
@@ -129,7 +134,7 @@ def resolve_auth(args: argparse.Namespace, loopback_default_off: bool) -> tuple[
     keys = load_api_keys(os.environ.get(API_KEYS_ENV), args.api_key_file)
     if keys:
         return keys, f"authentication is on: {len(keys)} API key(s) (send 'Authorization: Bearer <key>')"
-    if loopback_default_off and is_loopback(args.host):
+    if loopback_default_off and is_loopback_host(args.host):
         return None, (
             f"authentication is OFF: no API keys configured and listening on loopback only ({args.host}); "
             f"set {API_KEYS_ENV} or --api-key-file to require keys"
@@ -161,6 +166,11 @@ def gateway_config(
         health_interval_s=args.health_interval_s,
         drain_timeout_s=default_drain_timeout_s() if args.drain_timeout_s is None else args.drain_timeout_s,
         request_read_timeout_s=args.request_read_timeout_s,
+        stream_idle_timeout_s=(
+            env_seconds(STREAM_IDLE_TIMEOUT_ENV, DEFAULT_STREAM_IDLE_TIMEOUT_S)
+            if args.stream_idle_timeout_s is None
+            else args.stream_idle_timeout_s
+        ),
     )
     config.validate()
     return config

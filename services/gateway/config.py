@@ -2,7 +2,22 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+
+STREAM_IDLE_TIMEOUT_ENV = "HINTSERVE_STREAM_IDLE_TIMEOUT_S"
+DEFAULT_STREAM_IDLE_TIMEOUT_S = 30.0
+
+
+def env_seconds(name: str, default: float) -> float:
+    """A duration from the environment variable `name` (unset or empty: `default`); ValueError if not a number."""
+    value = os.environ.get(name)
+    if not value:
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds, got {value!r}") from None
 
 
 @dataclass
@@ -23,6 +38,8 @@ class GatewayConfig:
     health_interval_s: float = 2.0
     drain_timeout_s: float = 30.0  # SIGTERM: how long streams may run on before they are cut
     request_read_timeout_s: float = 30.0  # a request's headers and body must arrive within this
+    # A request without output this long, on an engine whose step counters do not move either, is cut; 0: off.
+    stream_idle_timeout_s: float = DEFAULT_STREAM_IDLE_TIMEOUT_S
 
     def validate(self) -> None:
         """Raises ValueError with a one-line message naming the flag."""
@@ -48,6 +65,8 @@ class GatewayConfig:
             raise ValueError(f"--drain-timeout-s must be >= 0, got {self.drain_timeout_s}")
         if self.request_read_timeout_s <= 0:
             raise ValueError(f"--request-read-timeout-s must be > 0, got {self.request_read_timeout_s}")
+        if not 0 <= self.stream_idle_timeout_s <= 86400:
+            raise ValueError(f"--stream-idle-timeout-s must be in [0, 86400], got {self.stream_idle_timeout_s}")
         if self.api_keys is not None and not self.api_keys:
             raise ValueError("authentication is on but no API key is configured")
 

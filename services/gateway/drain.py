@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
+
+from services.gateway.config import env_seconds
 
 log = logging.getLogger(__name__)
 
@@ -16,13 +17,7 @@ CUT_GRACE_S = 2.0  # after the cut: time for the error events to reach the clien
 
 
 def default_drain_timeout_s() -> float:
-    value = os.environ.get(DRAIN_TIMEOUT_ENV)
-    if not value:
-        return DEFAULT_DRAIN_TIMEOUT_S
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(f"{DRAIN_TIMEOUT_ENV} must be a number of seconds, got {value!r}") from None
+    return env_seconds(DRAIN_TIMEOUT_ENV, DEFAULT_DRAIN_TIMEOUT_S)
 
 
 class Drain:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,14 @@ class EngineHandle:
     last_error: str = ""
     failures: int = 0  # requests that failed over away from this engine
     retired: bool = False  # dropped by discovery: no new requests; the client closes once none is left
+    steps: float = -1.0  # the engine's step counters as last seen ...
+    progress_at: float = 0.0  # ... and when they last moved (monotonic): the engine is stepping, not hung
+
+    def saw_stats(self, stats: dict[str, float]) -> None:
+        self.stats = stats
+        steps = sum(v for k, v in stats.items() if k.endswith("_steps_total"))
+        if steps != self.steps:
+            self.steps, self.progress_at = steps, time.monotonic()
 
     @property
     def address(self) -> str:
@@ -62,6 +71,7 @@ class EnginePool:
         self.check_timeout_s = check_timeout_s
         self._next = 0  # rotates ties between equally loaded engines
         self._listeners: list[Callable[[], None]] = []
+        self._down_listeners: list[Callable[[EngineHandle], None]] = []
         self._task: asyncio.Task | None = None
         self._closing: set[asyncio.Task] = set()  # clients of retired engines being closed
 
@@ -81,6 +91,10 @@ class EnginePool:
     def add_listener(self, callback: Callable[[], None]) -> None:
         """`callback()` runs whenever capacity may have appeared or an engine's health changed."""
         self._listeners.append(callback)
+
+    def add_down_listener(self, callback: Callable[[EngineHandle], None]) -> None:
+        """`callback(handle)` runs when an engine turns unhealthy (its streams are cut at once)."""
+        self._down_listeners.append(callback)
 
     # ---- health ----
     async def _health_loop(self) -> None:
@@ -104,7 +118,7 @@ class EnginePool:
             if ok and (handle.model_info is None or not handle.healthy):  # (re)started: maybe another model
                 handle.model_info = await asyncio.wait_for(handle.client.model_info(), timeout)
             if ok:
-                handle.stats = await asyncio.wait_for(handle.client.stats(), timeout)
+                handle.saw_stats(await asyncio.wait_for(handle.client.stats(), timeout))
             reason = "" if ok else "engine reports NOT_SERVING"
         except Exception as exc:  # unreachable, timed out, or dead: all mean "do not route here"
             ok, reason = False, describe_error(exc)
@@ -115,7 +129,7 @@ class EnginePool:
 
         async def one(handle: EngineHandle) -> None:
             try:
-                handle.stats = await asyncio.wait_for(handle.client.stats(), self.check_timeout_s)
+                handle.saw_stats(await asyncio.wait_for(handle.client.stats(), self.check_timeout_s))
             except Exception:
                 pass  # the health round decides about health; a scrape just keeps the last values
 
@@ -155,6 +169,8 @@ class EnginePool:
             log.info("engine %s is healthy", handle.address)
         else:
             log.warning("engine %s is unhealthy: %s", handle.address, reason)
+            for callback in self._down_listeners:
+                callback(handle)
         self._notify()
 
     def _notify(self) -> None:

@@ -8,9 +8,14 @@ then a trickle of body, holds its connection and a task forever. Here every requ
 from __future__ import annotations
 
 import asyncio
+import http
+import json
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from services.gateway.edge import MAX_HEADER_BYTES
+from services.gateway.errors import APIError
 
 _TIMEOUT_RESPONSE = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
@@ -25,6 +30,21 @@ class ReadTimeoutH11Protocol(H11Protocol):
         super().data_received(data)
         if self.conn.their_state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR):
             self._cancel_read_deadline()  # the request is in; the next one's first byte arms a new one
+
+    def send_400_response(self, msg: str) -> None:
+        """What h11 refuses (malformed framing, a header block over MAX_HEADER_BYTES still arriving) is
+        answered as every other error: OpenAI-shaped JSON, 431 for the oversized headers."""
+        too_long = len(self.conn.trailing_data[0]) >= MAX_HEADER_BYTES
+        error = (
+            APIError(431, f"request headers exceed {MAX_HEADER_BYTES} bytes", code="request_header_fields_too_large")
+            if too_long else APIError(400, "malformed HTTP request", code="invalid_http_request")
+        )
+        body = json.dumps(error.body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        response = h11.Response(status_code=error.status, headers=headers, reason=http.HTTPStatus(error.status).phrase)
+        for event in (response, h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event) or b"")
+        self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_read_deadline()

@@ -100,10 +100,14 @@ class ModelMetrics:
         self.prompt_tokens = m.prompt_tokens.labels(model_name)
         self.generation_tokens = m.generation_tokens.labels(model_name)
         self._success = m.request_success
+        self._cuts = m.stream_cuts
         self._model_name = model_name
 
     def finished(self, reason: str) -> None:
         self._success.labels(self._model_name, reason).inc()
+
+    def stream_cut(self, reason: str) -> None:
+        self._cuts.labels(self._model_name, reason).inc()
 
 
 class GatewayMetrics:
@@ -167,6 +171,13 @@ class GatewayMetrics:
             "hintserve_request_success",
             "Finished engine requests by finish reason (stop, length, abort).",
             ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self.stream_cuts = Counter(
+            "hintserve_stream_cuts",
+            "Engine requests the gateway cut: reason idle_timeout (engine silent past --stream-idle-timeout-s) "
+            "or engine_unhealthy (its engine turned unhealthy).",
+            ["model_name", "reason"],
             registry=r,
         )
         self.http_requests = Counter(

@@ -10,6 +10,7 @@ from typing import Any
 
 from services.gateway.auth import Authenticator
 from services.gateway.drain import Drain
+from services.gateway.edge import edge_error
 from services.gateway.errors import APIError
 from services.gateway.metrics import GatewayMetrics
 
@@ -55,9 +56,11 @@ def shutting_down() -> APIError:
 
 class GatewayMiddleware:
     def __init__(
-        self, app: Any, auth: Authenticator, metrics: GatewayMetrics, max_body_bytes: int, drain: Drain
+        self, app: Any, auth: Authenticator, metrics: GatewayMetrics, max_body_bytes: int, drain: Drain,
+        guard_loopback: bool = False,
     ) -> None:
         self.app = app
+        self.guard_loopback = guard_loopback  # auth off on loopback: Host and Origin must be loopback too
         self.auth = auth
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
@@ -65,6 +68,9 @@ class GatewayMiddleware:
 
     def _precheck(self, scope: dict[str, Any]) -> APIError | None:
         path = scope["path"]
+        error = edge_error(scope, self.guard_loopback)
+        if error is not None:
+            return error
         if self.drain.draining and path.startswith("/v1/"):
             return shutting_down()
         # The admin routes check the admin key themselves; probes and /metrics stay open, as in vLLM.

@@ -10,7 +10,14 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.engine.sampling_params import DEFAULT_MAX_TOKENS, INT32_MAX, INT64_MAX, INT64_MIN
+from services.engine.sampling_params import (
+    DEFAULT_MAX_TOKENS,
+    FLOAT32_MAX,
+    FLOAT32_TINY,
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+)
 
 # Fields of the OpenAI API (or of vLLM) that we do not implement. A request naming any of them with a
 # value other than its neutral default gets a 400 that lists them: never silently ignored.
@@ -42,18 +49,19 @@ class _GenerationRequest(BaseModel):
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
-    temperature: float | None = Field(default=None, ge=0.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    # Floats as the engine's sampler (fp32) can hold them; SamplingParams.validate adds "0 or >= FLOAT32_TINY".
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, ge=FLOAT32_TINY, le=1.0, allow_inf_nan=False)
     n: int = Field(default=1, ge=1, le=INT32_MAX)
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
     # vLLM extras
-    repetition_penalty: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(default=None, ge=FLOAT32_TINY, le=FLOAT32_MAX, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
     ignore_eos: bool = False

@@ -5,11 +5,10 @@ Each failure is a 400 naming the field; nothing in a body can reach a handler as
 
 from __future__ import annotations
 
-import itertools
 import json
-import re
 from typing import Any, TypeVar
 
+import numpy as np
 from pydantic import BaseModel, ValidationError
 
 from services.engine.sampling_params import is_valid_utf8
@@ -18,15 +17,26 @@ from services.gateway.errors import bad_request
 M = TypeVar("M", bound=BaseModel)
 
 MAX_JSON_DEPTH = 32  # our schemas nest 4 deep; the json module's C parser recurses once per level
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-_DEPTH_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
+_BRACKETS = b"[]{}"
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in _BRACKETS)
+_STEP = np.zeros(256, np.int8)
+_STEP[list(b"[{")] = 1
+_STEP[list(b"]}")] = -1
 
 
 def json_depth(body: bytes) -> int:
-    """The deepest nesting of arrays and objects, counted without parsing (strings are skipped)."""
-    brackets = _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS)
-    return max(itertools.accumulate((_DEPTH_STEP[b] for b in brackets), initial=0))
+    """The deepest nesting of arrays and objects, counted without parsing (strings are skipped).
+
+    Only C-speed bytes operations and one numpy pass: linear in the body and a few milliseconds per MB
+    whatever its content (a regex over the strings took 0.1-0.2 s per MB, on the event loop). Escaped
+    backslashes go first, then escaped quotes, so every quote left delimits a string.
+    """
+    text = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+    outside = b"".join(text.split(b'"')[::2])
+    brackets = outside.translate(None, _NOT_BRACKETS)
+    if not brackets:
+        return 0
+    return max(0, int(np.cumsum(_STEP[np.frombuffer(brackets, np.uint8)], dtype=np.int64).max()))
 
 
 def _first_invalid_string(value: Any, path: str) -> str | None:

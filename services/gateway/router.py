@@ -14,6 +14,7 @@ from services.gateway.batching import RequestBatcher
 from services.gateway.engine_pool import EngineHandle, EnginePool
 from services.gateway.errors import APIError, from_engine_error, is_engine_down
 from services.gateway.metrics import GatewayMetrics, ModelMetrics
+from services.gateway.stream_watch import StreamWatch, Watched
 
 
 def _engine_aborted() -> APIError:
@@ -52,6 +53,7 @@ class EngineRouter:
         admission: AdmissionController,
         batcher: RequestBatcher,
         metrics: GatewayMetrics,
+        stream_idle_timeout_s: float = 0.0,
     ) -> None:
         self.pool = pool
         self.admission = admission
@@ -59,6 +61,7 @@ class EngineRouter:
         self.metrics = metrics
         self.in_flight: dict[str, EngineHandle] = {}  # engine request id -> its engine, once it streams
         self.cutting = False  # set by the drain: aborts from here on are the gateway's own
+        self.watch = StreamWatch(pool, stream_idle_timeout_s)  # 0: no idle deadline (health cuts stay)
 
     async def _open(
         self,
@@ -67,12 +70,13 @@ class EngineRouter:
         params: SamplingParams,
         prompt_param: str | None,
         m: ModelMetrics,
-    ) -> tuple[EngineHandle, AsyncIterator[Any], Any, float]:
+    ) -> tuple[EngineHandle, AsyncIterator[Any], Any, float, Watched]:
         """Submits to an engine and waits for its first output, failing over while none has come.
 
-        Returns (engine, stream, first output, submission time); the caller owns the slot and the stream,
-        and the request counts as running. Raises APIError: 429/503 from admission, 4xx from the engine's
-        validation, 503 when every engine that could serve failed.
+        Returns (engine, stream, first output, submission time, watch entry); the caller owns the slot, the
+        stream and the entry, and the request counts as running. Raises APIError: 429/503 from admission,
+        4xx from the engine's validation, 503 when every engine that could serve failed, 504 when the engine
+        said nothing within the idle deadline.
         """
         excluded: list[EngineHandle] = []
         m.waiting.inc()
@@ -89,11 +93,13 @@ class EngineRouter:
                     m.waiting.dec()
                     m.running.inc()
                     running = True
-                    first = await anext(stream)
+                    entry = self.watch.add(request_id, handle, m)
+                    first = await self.watch.next_output(entry, stream)
                     if first.finished and first.finish_reason == "abort" and not first.delta_token_ids:
                         raise _engine_aborted()
-                    return handle, stream, first, submitted
+                    return handle, stream, first, submitted, entry
                 except BaseException as exc:
+                    self.watch.remove(request_id)
                     if running:
                         m.running.dec()
                         m.waiting.inc()
@@ -134,7 +140,7 @@ class EngineRouter:
         iterator early (client disconnect) aborts the engine request.
         """
         m = self.metrics.model(model_name)
-        handle, stream, out, submitted = await self._open(request_id, prompt, params, prompt_param, m)
+        handle, stream, out, submitted, entry = await self._open(request_id, prompt, params, prompt_param, m)
         m.queue.observe(submitted - arrival)
         self.in_flight[request_id] = handle
         first_token = last_token = 0.0
@@ -162,7 +168,7 @@ class EngineRouter:
                     return
                 yield out
                 try:
-                    out = await anext(stream)
+                    out = await self.watch.next_output(entry, stream)
                 except StopAsyncIteration:
                     raise APIError(502, "engine stream ended before the request finished") from None
                 except Exception as exc:  # tokens already went out: no failover, the stream ends in an error
@@ -171,6 +177,7 @@ class EngineRouter:
                     raise from_engine_error(exc, prompt_param) from exc
         finally:
             self.in_flight.pop(request_id, None)
+            self.watch.remove(request_id)
             m.running.dec()
             m.finished(finish_reason)
             m.prompt_tokens.inc(prompt_tokens)

@@ -19,6 +19,7 @@ from services.gateway.auth import Authenticator
 from services.gateway.batching import RequestBatcher
 from services.gateway.config import GatewayConfig
 from services.gateway.drain import CUT_GRACE_S, Drain
+from services.gateway.edge import MAX_HEADER_BYTES
 from services.gateway.engine_client import EngineBackend
 from services.gateway.engine_discovery import EngineDiscovery
 from services.gateway.engine_pool import EnginePool
@@ -37,9 +38,9 @@ def load_tokenizer(model_dir: str) -> Any:
     """The model's tokenizer (chat template, token counts). The gateway loads its own copy even next to an
     in-process engine: the engine thread detokenizes concurrently, and a fast tokenizer is not meant to be
     shared across threads."""
-    from transformers import AutoTokenizer
+    from services.engine.startup_checks import load_tokenizer as load
 
-    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    return load(model_dir)  # ValueError naming the directory when it does not load
 
 
 class Gateway:
@@ -56,7 +57,9 @@ class Gateway:
         self.batcher = RequestBatcher(config.batch_window_ms / 1000.0, config.max_batch)
         self.metrics = GatewayMetrics()
         self.metrics.registry.register(EngineStatsCollector(self.pool))
-        self.router = EngineRouter(self.pool, self.admission, self.batcher, self.metrics)
+        self.router = EngineRouter(
+            self.pool, self.admission, self.batcher, self.metrics, config.stream_idle_timeout_s
+        )
         self.auth = Authenticator(config.api_keys)
         self.drain = Drain(config.drain_timeout_s)
         self.serving = OpenAIServing(
@@ -105,6 +108,8 @@ class Gateway:
     async def stop(self) -> None:
         if self.discovery is not None:
             await self.discovery.stop()
+        await self.router.watch.stop()
+        self.serving.close()
         await self.pool.stop()
 
 
@@ -146,6 +151,7 @@ class HTTPServer:
             timeout_graceful_shutdown=3,  # after Gateway.drain_and_stop, only idle connections are left
             timeout_keep_alive=30,
             http=protocol_with_read_timeout(read_timeout_s),
+            h11_max_incomplete_event_size=MAX_HEADER_BYTES,  # a header block still arriving: bounded, then 431
         )
         self.server = uvicorn.Server(config)
         # uvicorn would re-raise a caught SIGTERM after shutdown (killing the process before our cleanup);

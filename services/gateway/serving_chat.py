@@ -11,6 +11,12 @@ from services.gateway.protocol import CHAT_ROLES, ChatCompletionRequest, chat_un
 from services.gateway.serving_engine import SSE_DONE, OpenAIServing, new_request_id, now_s, sse
 
 
+def _chars(content: str | list[Any] | None) -> int:
+    if isinstance(content, list):
+        return sum(len(part.text or "") + 1 for part in content)
+    return len(content or "")
+
+
 class OpenAIServingChat:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
@@ -46,7 +52,9 @@ class OpenAIServingChat:
         serving = self.serving
         model = serving.check_model(request.model)
         serving.check_fields(request, chat_unsupported_fields(request))
-        prompt_ids = serving.encode(self._render(request))
+        chars = sum(_chars(m.content) + len(m.name or "") for m in request.messages)
+        serving.check_prompt_size(chars, "messages")  # the template only adds text: refuse before rendering
+        prompt_ids = await serving.off_loop(chars, lambda: serving.encode(self._render(request)))
         requested = request.max_completion_tokens or request.max_tokens
         max_tokens = serving.check_context(len(prompt_ids), requested, "messages")
         jobs = [(prompt_ids, serving.sampling_params(request, max_tokens, i)) for i in range(request.n)]

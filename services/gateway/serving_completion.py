@@ -28,7 +28,7 @@ class OpenAIServingCompletion:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
 
-    def _prompt_ids(self, prompt: str | list[int], param: str) -> str | list[int]:
+    async def _prompt_ids(self, prompt: str | list[int], param: str) -> str | list[int]:
         if isinstance(prompt, list):
             self.serving.check_token_ids(prompt, param)
             return prompt
@@ -36,7 +36,8 @@ class OpenAIServingCompletion:
             raise bad_request("prompt must not be empty", param=param)
         if self.serving.tokenizer is None:
             return prompt  # the engine tokenizes; it also enforces the context window
-        return self.serving.encode(prompt)
+        self.serving.check_prompt_size(len(prompt), param)
+        return await self.serving.off_loop(len(prompt), self.serving.encode, prompt)
 
     async def create_completion(self, request: CompletionRequest, arrival: float) -> Any:
         """A response dict (non-streaming) or an async iterator of SSE strings (streaming)."""
@@ -51,7 +52,7 @@ class OpenAIServingCompletion:
         jobs = []
         for p, raw in enumerate(prompts):
             param = "prompt" if len(prompts) == 1 else f"prompt[{p}]"
-            prompt = self._prompt_ids(raw, param)
+            prompt = await self._prompt_ids(raw, param)
             max_tokens = request.max_tokens
             if isinstance(prompt, list):
                 if not prompt:

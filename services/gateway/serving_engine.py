@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from services.engine.errors import ContextLengthExceededError, InvalidRequestError
+from services.engine.input_processor import INLINE_TOKENIZE_CHARS, check_prompt_chars, longest_token_chars
 from services.engine.sampling_params import SamplingParams, check_context_length
 from services.gateway.engine_pool import EnginePool
 from services.gateway.errors import APIError, bad_request, context_length_exceeded, no_healthy_engine
@@ -17,6 +20,7 @@ from services.gateway.router import EngineRouter
 from services.gateway.streams import merge, prime
 
 _INT64 = 2**64
+T = TypeVar("T")
 
 
 def sse(payload: dict[str, Any]) -> str:
@@ -48,6 +52,10 @@ class OpenAIServing:
         self._model_name = model_name
         self.tokenizer = tokenizer  # None: prompts go to the engine as text and it counts the tokens
         self.max_n = max_n
+        self.token_chars = longest_token_chars(tokenizer) if tokenizer is not None else 0
+        # One thread for templates and tokenization of long inputs: never the event loop's time, and one call
+        # at a time into the tokenizer (its Python wrapper is not meant for concurrent use).
+        self._tokenize_pool: ThreadPoolExecutor | None = None
 
     @property
     def model_name(self) -> str | None:
@@ -111,6 +119,29 @@ class OpenAIServing:
         bad = [t for t in ids if vocab is not None and t >= vocab]
         if bad:
             raise bad_request(f"{param}: token ids out of range [0, {vocab}): {bad[:5]}", param=param)
+
+    def check_prompt_size(self, chars: int, param: str) -> None:
+        """A 400 context_length_exceeded, before any template or tokenizer runs, for text that cannot fit."""
+        max_len = self.pool.max_model_len()
+        if max_len is None or not self.token_chars:
+            return
+        try:
+            check_prompt_chars(chars, max_len, self.token_chars, param)
+        except ContextLengthExceededError as exc:
+            raise context_length_exceeded(str(exc), param) from None
+
+    async def off_loop(self, chars: int, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) (template, tokenizer) inline for small inputs, else on the worker thread."""
+        if chars <= INLINE_TOKENIZE_CHARS:
+            return fn(*args)
+        if self._tokenize_pool is None:
+            self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="hintserve-gateway-tokenize")
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
+    def close(self) -> None:
+        if self._tokenize_pool is not None:
+            self._tokenize_pool.shutdown(wait=False)
+            self._tokenize_pool = None
 
     def encode(self, text: str) -> list[int]:
         # add_special_tokens=False, as the engine does for text: templates and prompts carry their own.

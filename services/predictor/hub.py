@@ -170,8 +170,10 @@ class PredictorHub:
         """The stream path (and gRPC Observe): observe every context, hint what comes next (except for
         `superseded` requests, whose newer context is already waiting)."""
         shape = Shape.from_pb(batch.shape)
-        state = self.model(shape)
         contexts = [to_context(c, shape) for c in batch.contexts]  # validate all before touching state
+        if not contexts and shape.model not in self.models:
+            raise InvalidInput(f"an empty context batch cannot add model {shape.model!r}")
+        state = self.model(shape)
         hints: list[pb.Hint] = []
         for ctx in contexts:
             history = self.observe(state, ctx, strict)

@@ -30,10 +30,13 @@ from services.common.broker import (
 from services.common.messages import InvalidInput
 from services.common.metrics_http import MetricsEndpoint
 from services.common.protos import predictor_pb2 as pb
+from services.common.signing import Sealer
 from services.predictor.hub import CapacityExceeded, PredictorHub
 from services.predictor.snapshots import Snapshotter
 
 log = logging.getLogger(__name__)
+MAX_CONTEXTS_PER_BATCH = 4096  # an engine sends one context per running sequence: max_num_seqs, in the hundreds
+REJECT_LOG_INTERVAL_S = 10.0  # a flood of bad messages is one log line per reason this often, with the count
 _LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 50e-3, 0.25)
 
 
@@ -90,6 +93,7 @@ class PredictorService:
         read_count: int = 64,
         engines: set[str] | None = None,
         start: str = "0",
+        sealer: Sealer | None = None,
     ) -> None:
         self.broker = broker
         self.hub = hub
@@ -106,7 +110,9 @@ class PredictorService:
         # Where a new group starts: "0" also reads what engines appended before the predictor first
         # started (observed for learning; too old to answer); "$" only what comes next.
         self.start = start
+        self.sealer = sealer or Sealer.from_env()  # HINTSERVE_BROKER_SECRET: only signed batches are read
         self.counters: Counter[str] = Counter()
+        self._reject_logged: dict[str, tuple[float, int]] = {}  # reason -> (last log time, count then)
         self.connected = False
         self.ready = asyncio.Event()  # set once the consumer group exists (tests synchronise on it)
         self._stop = asyncio.Event()
@@ -130,7 +136,11 @@ class PredictorService:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             if self.snapshotter is not None:
-                saved = self.snapshotter.save_all(self.last_entry_id)
+                try:
+                    saved = self.snapshotter.save_all(self.last_entry_id)
+                except OSError as exc:  # the service still stops cleanly; the last periodic snapshot stands
+                    log.error("snapshot on shutdown failed, the previous snapshots are kept: %s", exc)
+                    saved = []
                 if saved:
                     log.info("snapshot on shutdown: %s", ", ".join(f"{n} ({b} B)" for n, b in saved))
                 self.counters["snapshots_total"] += len(saved)
@@ -189,10 +199,17 @@ class PredictorService:
                 return
 
     def _decode(self, data: bytes) -> pb.ContextBatch | None:
+        payload, why = self.sealer.open(data)
+        if payload is None:
+            self._reject(why, f"a context batch failed the signature check ({why})")
+            return None
         try:
-            batch = pb.ContextBatch.FromString(data)
+            batch = pb.ContextBatch.FromString(payload)
         except DecodeError:
-            self._reject("undecodable")
+            self._reject("undecodable", "a context batch is not a ContextBatch message")
+            return None
+        if len(batch.contexts) > MAX_CONTEXTS_PER_BATCH:
+            self._reject("invalid", f"a context batch holds {len(batch.contexts)} contexts (> {MAX_CONTEXTS_PER_BATCH})")
             return None
         if self.engines is not None and batch.engine_id not in self.engines:
             self.counters["batches_skipped_total"] += 1
@@ -210,12 +227,11 @@ class PredictorService:
             if entry_id is not None:  # before any await: a snapshot taken from now on includes this entry
                 self._advance(entry_id)
         except (InvalidInput, CapacityExceeded) as exc:
-            self._reject("invalid" if isinstance(exc, InvalidInput) else "capacity")
-            log.debug("rejected context batch from %s: %s", batch.engine_id, exc)
+            self._reject("invalid" if isinstance(exc, InvalidInput) else "capacity",
+                         f"context batch from {batch.engine_id[:64]!r}: {exc}")
             return
-        except Exception:  # a predictor bug must not stop the loop (the engine keeps its local prefetchers)
-            self._reject("error")
-            log.exception("predictor failed on a context batch from %s", batch.engine_id)
+        except Exception as exc:  # a predictor bug (or memory) must not stop the loop; engines prefetch locally
+            self._reject("error", f"predictor failed on a context batch from {batch.engine_id[:64]!r}: {exc!r}")
             return
         self.metrics.search_seconds.labels("stream").observe(time.perf_counter() - start)
         self.metrics.contexts_consumed.inc(len(batch.contexts))
@@ -232,14 +248,22 @@ class PredictorService:
             engine_id=batch.engine_id, ctx_sent_unix_ns=batch.sent_unix_ns, sent_unix_ns=time.time_ns(),
             step=batch.step, hints=hints,
         )
-        await self.broker.publish(hint_channel(batch.engine_id), out.SerializeToString())
+        await self.broker.publish(hint_channel(batch.engine_id), self.sealer.seal(out.SerializeToString()))
         self.metrics.hints_published.inc(len(hints))
         self.counters["hints_published_total"] += len(hints)
         self.counters["hint_batches_published_total"] += 1
 
-    def _reject(self, reason: str) -> None:
+    def _reject(self, reason: str, detail: str) -> None:
+        """Counted, and one log line per reason every REJECT_LOG_INTERVAL_S (a flood is not a log flood)."""
         self.metrics.contexts_rejected.labels(reason).inc()
-        self.counters[f'contexts_rejected_total{{reason="{reason}"}}'] += 1
+        key = f'contexts_rejected_total{{reason="{reason}"}}'
+        self.counters[key] += 1
+        now, total = time.monotonic(), self.counters[key]
+        last, logged = self._reject_logged.get(reason, (-REJECT_LOG_INTERVAL_S, 0))
+        if now - last >= REJECT_LOG_INTERVAL_S:
+            more = f" (+{total - logged - 1} more since the last line)" if total - logged > 1 else ""
+            log.warning("dropped: %s%s", detail[:300], more)
+            self._reject_logged[reason] = (now, total)
 
     def _advance(self, entry_id: str) -> None:
         if self.last_entry_id is None or entry_key(entry_id) > entry_key(self.last_entry_id):

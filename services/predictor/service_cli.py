@@ -95,6 +95,9 @@ async def _serve(args: argparse.Namespace, url: str, factory: Any) -> None:
     hub = PredictorHub(factory, args.predictor, selection, args.max_models, args.max_requests)
     snapshotter = None
     if args.snapshot_dir:
+        from services.common.paths import check_writable_dir
+
+        check_writable_dir(args.snapshot_dir, "--snapshot-dir")  # unusable: one line, exit 2, before serving
         snapshotter = Snapshotter(args.snapshot_dir, hub)
         restored = snapshotter.restore_all()
         _say(f"restored {len(restored)} model(s) from {args.snapshot_dir}: {[s.model for s in restored]}")
@@ -122,6 +125,9 @@ async def _serve(args: argparse.Namespace, url: str, factory: Any) -> None:
         if args.metrics_port >= 0:
             parts.append(f"metrics http://{args.metrics_host}:{metrics.serve(args.metrics_port, args.metrics_host)}/metrics")
         _say("; ".join(parts))
+        if not service.sealer.enabled:
+            _say("broker messages are unsigned (HINTSERVE_BROKER_SECRET not set): any client that can write to "
+                 "Redis is trusted as an engine")
         await service.run()  # until SIGTERM / SIGINT; snapshots on the way out
         _say("predictor stopped" + (f" (snapshot in {args.snapshot_dir})" if snapshotter else ""))
     finally:

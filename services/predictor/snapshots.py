@@ -9,6 +9,7 @@ are written to a temporary name and renamed, so a crash mid-write leaves the pre
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -114,11 +115,16 @@ class Snapshotter:
         """Atomic: a reader (or a crash) sees the old file or the new one, never half of one."""
         path = os.path.join(self.directory, name)
         tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:  # a full disk, a read-only directory: no half-written temp file stays behind
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
     def save_all(self, stream_id: str | None = None) -> list[tuple[str, int]]:
         """Synchronous snapshot of every model (shutdown path): [(file, bytes)]."""
