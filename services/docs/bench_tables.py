@@ -7,6 +7,7 @@ pages ask for views of them with directives (see `render_directive`)."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -82,10 +83,17 @@ def tables(data: dict[str, Any], prefix: str = "") -> list[tuple[str, list[str],
     return out
 
 
+def run_machine(data: dict[str, Any]) -> str:
+    return fmt(data.get("machine") or (f"simulated {data['hardware']}" if "hardware" in data else "not recorded"))
+
+
+def run_date(data: dict[str, Any]) -> str:
+    dated = re.search(r"\b(\d{4}-\d\d-\d\d)\b", str(data.get("setting", "")))  # simulate records it there
+    return fmt(data.get("date") or (dated[1] if dated else "not recorded"))
+
+
 def run_line(name: str, data: dict[str, Any]) -> str:
-    machine = data.get("machine") or data.get("hardware") or "not recorded"
-    date = data.get("date") or "not recorded"
-    return f"Source: `bench/results/{name}`; machine: {fmt(machine)}; date: {fmt(date)}."
+    return f"Source: `bench/results/{name}`; machine: {run_machine(data)}; date: {run_date(data)}."
 
 
 def _where(rows: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
@@ -95,8 +103,10 @@ def _where(rows: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
     return rows
 
 
-def pivot(rows: list[dict[str, Any]], row_key: str, col_key: str, value: str, bold: str = "") -> str:
-    """rows x columns of one value (e.g. policy x batch of TPOT); `bold=min|max` marks each column's best."""
+def pivot(rows: list[dict[str, Any]], row_key: str, col_key: str, value: str, bold: str = "",
+          unranked: Sequence[str] = ()) -> str:
+    """rows x columns of one value (e.g. policy x batch of TPOT); `bold=min|max` marks each column's best
+    among the rows not named in `unranked` (references such as `resident` and the bounds)."""
     row_names = list(dict.fromkeys(fmt(r[row_key]) for r in rows))
     col_names = list(dict.fromkeys(fmt(r[col_key]) for r in rows))
     cells = {(fmt(r[row_key]), fmt(r[col_key])): r.get(value) for r in rows}
@@ -104,14 +114,16 @@ def pivot(rows: list[dict[str, Any]], row_key: str, col_key: str, value: str, bo
     if bold in ("min", "max"):
         pick = min if bold == "min" else max
         for c in col_names:
-            values = [v for (_, cc), v in cells.items() if cc == c and isinstance(v, (int, float))]
+            values = [v for (rr, cc), v in cells.items()
+                      if cc == c and rr not in unranked and isinstance(v, (int, float))]
             best[c] = pick(values) if values else None
     table = []
     for name in row_names:
         line = [name]
         for c in col_names:
             v = cells.get((name, c))
-            line.append(f"**{fmt(v)}**" if v is not None and v == best.get(c) else fmt(v))
+            ranked = v is not None and name not in unranked and v == best.get(c)
+            line.append(f"**{fmt(v)}**" if ranked else fmt(v))
         table.append(line)
     return markdown_table([f"{row_key} \\ {col_key}", *col_names], table)
 
@@ -125,7 +137,7 @@ def render_directive(results: Path, directive: str) -> str:
     - `run FILE`: where the figures come from (file, machine, date);
     - `record FILE [keys=a,b]`: the run record as a two-column table;
     - `table FILE [list=rows] [columns=a,b] [where=k=v;...]`: records as a table;
-    - `pivot FILE rows=K cols=K value=K [list=rows] [where=...] [bold=min|max]`."""
+    - `pivot FILE rows=K cols=K value=K [list=rows] [where=...] [bold=min|max] [unranked=a,b]`."""
     kind, name, *args = directive.split()
     opts = dict(a.split("=", 1) for a in args)
     data = load(results, name)
@@ -147,7 +159,8 @@ def render_directive(results: Path, directive: str) -> str:
             k for k in dict.fromkeys(k for r in rows for k in r) if all(_is_scalar(r.get(k)) for r in rows)]
         return select(rows, columns)
     if kind == "pivot":
-        return pivot(rows, opts["rows"], opts["cols"], opts["value"], opts.get("bold", ""))
+        unranked = [u for u in opts.get("unranked", "").split(",") if u]
+        return pivot(rows, opts["rows"], opts["cols"], opts["value"], opts.get("bold", ""), unranked)
     raise ValueError(f"unknown generated-block kind {kind!r}: use run, record, table or pivot")
 
 

@@ -6,7 +6,9 @@ A hand-written page (docs/**/*.md, README.md) asks for a generated figure with a
     (filled in by `hintserve docs generate`)
     <!-- end generated -->
 
-`headline [link-prefix]` gives the headline results table; the other kinds are bench_tables.render_directive's.
+`headline [link-prefix]` gives the headline results table, `grafana PATH` a dashboard's panels (PATH from the
+repository root), `calibration` the simulator's published-figure checks (`hintserve simulate --calibration`,
+computed, deterministic); the other kinds are bench_tables.render_directive's.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from services.docs import bench_tables, cli_reference, headlines, http_api, knobs
+from services.docs import bench_tables, cli_reference, dashboards, headlines, http_api, knobs
 
 BLOCK = re.compile(r"(<!-- generated: (?P<directive>[^>]*?) -->\n)(?P<body>.*?)(<!-- end generated -->)", re.S)
 
@@ -33,14 +35,21 @@ def _pages(root: Path) -> dict[str, Callable[[], str]]:
     }
 
 
-def fill_blocks(text: str, results: Path) -> str:
-    """`text` with every generated block's body rendered afresh from the saved results."""
+def fill_blocks(text: str, root: Path) -> str:
+    """`text` with every generated block's body rendered afresh from the saved results (and dashboards)."""
+    results = root / "bench" / "results"
 
     def fill(match: re.Match[str]) -> str:
         directive = match["directive"].strip()
         kind, _, rest = directive.partition(" ")
         if kind == "headline":
             body = headlines.render(results, link_prefix=rest.strip())
+        elif kind == "grafana":
+            body = dashboards.render(root / rest.strip())
+        elif kind == "calibration":
+            from services.simulator.cli import calibration_markdown
+
+            body = calibration_markdown()
         else:
             body = bench_tables.render_directive(results, directive)
         return f"{match[1]}{body}\n{match[4]}"
@@ -58,7 +67,7 @@ def generate(root: Path, check: bool = False) -> list[str]:
     wanted = {root / path: render() + "\n" for path, render in _pages(root).items()}
     for page in hand_written_pages(root):
         if page.is_file():
-            wanted[page] = fill_blocks(page.read_text(), root / "bench" / "results")
+            wanted[page] = fill_blocks(page.read_text(), root)
     stale = []
     for path, text in wanted.items():
         if path.is_file() and path.read_text() == text:

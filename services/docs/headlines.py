@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.report import markdown_table
-from services.docs.bench_tables import fmt, load
+from services.docs.bench_tables import fmt, load, run_date, run_machine
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,6 @@ def render(results: Path, link_prefix: str = "") -> str:
     rows = []
     for h in HEADLINES:
         data = load(results, h.source)
-        rows.append((h.what, h.figure(data), fmt(data.get("date") or "not recorded"),
+        rows.append((h.what, h.figure(data), f"{run_machine(data)}, {run_date(data)}",
                      f"[{h.page.rsplit('/', 1)[-1].removesuffix('.md')}]({link_prefix}{h.page})"))
-    return markdown_table(("result", "figure", "measured", "details"), rows)
+    return markdown_table(("result", "figure", "machine, date", "details"), rows)

@@ -63,7 +63,7 @@ def render(report: dict[str, Any]) -> str:
         f"python       {b['python']}, torch {b['torch']} (CUDA build: {b['torch_cuda'] or 'none'})",
         f"cuda         {cuda}",
         f"cpu          {cpu['model']}, {cpu['cores']} cores; {features}",
-        f"kernels      {'built' if k['built'] else 'not built'}: {k['why']}",
+        f"kernels      {'built' if k['built'] else 'not built'} ({k['why']})",
         f"pinned       {'available' if pin['available'] else 'not available: ' + pin['why']}",
         f"host memory  {mem['total_gb']:.1f} GB, {mem['available_gb']:.1f} GB available; "
         f"copy bandwidth {report['host_bandwidth_gbps']:.1f} GB/s",
