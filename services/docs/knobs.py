@@ -17,15 +17,18 @@ _ENV = re.compile(r"\bHINTSERVE_[A-Z0-9_]+\b")
 
 
 def field_comments(cls: type) -> dict[str, str]:
-    """The comment that ends each field's line in the class's source (why the field exists)."""
+    """Each field's comment in the class's source: the one ending its line, else the comment lines right above."""
     lines = inspect.getsource(cls).splitlines()
     tree = ast.parse("\n".join(lines))
     out = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            line = lines[node.end_lineno - 1]
-            _, hash_, comment = line.partition("  # ")
-            out[node.target.id] = comment.strip() if hash_ else ""
+            _, hash_, comment = lines[node.end_lineno - 1].partition("  # ")
+            above, row = [], node.lineno - 2
+            while not hash_ and row >= 0 and lines[row].strip().startswith("# "):
+                above.insert(0, lines[row].strip()[2:])
+                row -= 1
+            out[node.target.id] = comment.strip() if hash_ else " ".join(above)
     return out
 
 
