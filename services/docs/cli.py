@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _generate(args: argparse.Namespace) -> int:
     from services.docs.generate import generate
 
-    root = Path(args.root)
+    root = Path(args.root) if args.root else ROOT
     if not (root / "bench" / "results").is_dir():
         raise FileNotFoundError(f"no bench/results in {root}: pass the repository root with --root")
     stale = generate(root, check=args.check)
@@ -31,5 +31,6 @@ def register(subparsers: Any) -> None:
     gen = sub.add_parser("generate", help="CLI, knob, HTTP API and benchmark references from the code and "
                          "bench/results/*.json, and every generated block in docs/ and README.md")
     gen.add_argument("--check", action="store_true", help="write nothing; exit 1 if a generated page is stale")
-    gen.add_argument("--root", default=str(ROOT), help="repository root (default: this checkout)")
+    # No path as a default: the CLI reference it generates must read the same in every checkout.
+    gen.add_argument("--root", help="repository root (default: this checkout)")
     gen.set_defaults(func=_generate)

@@ -94,6 +94,8 @@ def _doctor(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    # Resolved here, not as the parser's default, so the generated CLI reference does not depend on the env.
+    args.redis_url = args.redis_url or os.environ.get("HINTSERVE_REDIS_URL") or DEFAULT_REDIS_URL
     report = collect(args)
     print(json.dumps(report, indent=2) if args.json else render(report))
     return 0
@@ -102,8 +104,7 @@ def _doctor(args: argparse.Namespace) -> int:
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("doctor", help="check this machine (and a model directory) and recommend flags")
     p.add_argument("--model", help="model directory to check (config.json and safetensors headers only)")
-    p.add_argument("--redis-url", default=os.environ.get("HINTSERVE_REDIS_URL") or DEFAULT_REDIS_URL,
-                   help=f"Redis to ping (default: $HINTSERVE_REDIS_URL, else {DEFAULT_REDIS_URL})")
+    p.add_argument("--redis-url", help=f"Redis to ping (default: $HINTSERVE_REDIS_URL, else {DEFAULT_REDIS_URL})")
     p.add_argument("--gpu-memory-gb", type=float, help="plan for a GPU of this size instead of the one found")
     p.add_argument("--link-gbps", type=float, help="plan for this host-to-device bandwidth instead of measuring")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
