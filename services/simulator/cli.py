@@ -40,7 +40,7 @@ def _calibration() -> int:
 
 
 def _engine_check(model_dir: str, json_path: str | None) -> int:
-    """The engine-agreement test's comparison, as a command (the README's figures)."""
+    """The engine-agreement test's comparison, as a command (docs/benchmarks/simulator.md's figures)."""
     import dataclasses
 
     from services.common.report import markdown_table, run_header, write_json
