@@ -1,4 +1,4 @@
-.PHONY: install test bench bench-quick lint soak
+.PHONY: install test bench bench-quick lint soak docs
 
 install:
 	pip install torch==2.13.0 && pip install -e ".[dev]"
@@ -9,7 +9,7 @@ test:
 lint:
 	python -m ruff check .
 
-# Regenerates every figure the README quotes (bench/results/*.json|md|png and REPORT.md).
+# Re-runs every benchmark (bench/results/*.json|md|png and REPORT.md); `make docs` then renders the figures.
 bench:
 	hintserve bench all
 
@@ -19,3 +19,7 @@ bench-quick:
 # 10 minutes at 32 concurrent streams against a real cluster (not in CI): failures and memory growth.
 soak:
 	python -m tests.soak --duration-s 600 --concurrency 32 --out bench/results/soak.json
+
+# The generated references and every figure in docs/ and README.md, then the site (into site/, ignored).
+docs:
+	python -m services.cli docs generate && python -m mkdocs build --strict

@@ -14,7 +14,9 @@ _COMMAND_MODULES = (
     "services.bench.cli",
     "services.predictor.cli",  # trace collect; predictor train / eval / bench-search
     "services.simulator.cli",
-    "services.predictor.service_cli",  # last: extends a `predictor` group registered before it
+    "services.predictor.service_cli",  # extends a `predictor` group registered before it
+    "services.doctor.cli",
+    "services.docs.cli",  # last: its reference walks every command registered before it
 )
 
 

@@ -1,7 +1,8 @@
 """No import runs from a lower package to a higher one (every import in every module, function-level too).
 
 Layers, lowest first: services.common < services.engine < services.predictor < services.gateway <
-services.bench, services.simulator < services.cli (bench and simulator are peers). The load generator
+services.bench, services.simulator < services.doctor, services.cli < services.docs (bench and simulator are
+peers; docs reads every command's parser). The load generator
 imports nothing from services but services.common.
 """
 
@@ -19,6 +20,8 @@ LAYERS: dict[str, int] = {
     "services.bench": 4,
     "services.simulator": 4,
     "services.cli": 5,
+    "services.doctor": 5,
+    "services.docs": 6,
 }
 
 

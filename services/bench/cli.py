@@ -1,4 +1,4 @@
-"""`hintserve bench ...`: the benchmarks behind every figure the README quotes."""
+"""`hintserve bench ...`: the benchmarks behind every figure the docs quote."""
 
 from __future__ import annotations
 

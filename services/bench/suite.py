@@ -1,4 +1,4 @@
-"""`hintserve bench all` (`make bench`): every benchmark the README quotes, then bench/results/REPORT.md.
+"""`hintserve bench all` (`make bench`): every benchmark the docs quote, then bench/results/REPORT.md.
 
 Each step is the same `hintserve ...` command a user would type (listed in REPORT.md), so every figure can be
 reproduced one table at a time. The offload grid runs once per case; the headline case (25% cache, link ratio

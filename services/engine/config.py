@@ -15,12 +15,12 @@ class EngineConfig:
     model: str = "models/demo-moe"
     dtype: str = "auto"  # auto: float32 on CPU (bf16 matmuls are slow there), checkpoint dtype on CUDA
     device: str = "cpu"
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 32  # sequences in the running batch at most (the rest wait)
+    max_num_batched_tokens: int = 2048  # prompt and decode tokens in one step at most
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 4096
     block_size: int = 32  # tokens per KV block: decode gathers whole blocks, and 2 KB runs (16) ran 2.4x slower cold
     kv_cache_mb: int | None = None  # None: enough blocks for max_num_seqs full-length sequences, capped
-    seed: int = 0
+    seed: int = 0  # the engine's random state for unseeded sampling
     enforce_eager: bool = False  # CUDA: decode steps run eagerly, no CUDA graphs (vLLM's flag)
     # Requests waiting and no step finished for this long: the core is stopped, the engine exits 1. 0: off.
     step_watchdog_s: float | None = 60.0

