@@ -110,3 +110,24 @@ def test_a_second_thread_calling_during_a_pool_job_runs_alone() -> None:
 def test_bad_cpu_knobs_are_refused(field: str, value: object, message: str, tiny_mixtral_dir: str) -> None:
     with pytest.raises(ValueError, match=message):
         EngineConfig(model=tiny_mixtral_dir, **{field: value}).validate()
+
+
+_RESIZE_THEN_RUN = """
+import torch
+from services.engine import cpu_kernels
+from services.engine.cpu_kernels import formats
+m = formats.pack(torch.randn(64, 128), "int8")
+x = torch.randn(2, 128)
+for i in range(2000):
+    cpu_kernels.set_threads(1 + i % 2)
+    formats.matmul(x, m)
+"""
+
+
+def test_a_job_right_after_the_pool_grows_is_joined_by_every_worker() -> None:
+    """A worker made by set_threads must join a job posted before it first ran (it once took that job's
+    generation for its starting one, and the caller waited for it forever)."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-c", _RESIZE_THEN_RUN], check=True, timeout=120)

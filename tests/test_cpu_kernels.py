@@ -202,18 +202,25 @@ def test_expert_rows_matches_torch_in_every_mode(rows: int) -> None:
 
 @pytest.mark.parametrize("policy", ["lru", "cpu-experts", "hintserve"])
 def test_one_thread_offloaded_engine_takes_the_expert_kernel_with_the_same_greedy_text(monkeypatch, policy) -> None:
-    """Cache hits, host-computed and split experts all go through expert_rows, with torch's tokens."""
+    """Cache hits, host-computed and split experts all go through the native kernels (expert_rows in the
+    layer's gather and scatter, the one-call expert on the host), with torch's tokens."""
     prompts = [[5, 17, 300, 42, 7, 99, 1200, 3], list(range(100, 150))]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     calls = {"gate_up": 0, "down": 0}
-    kernel = cpu_kernels.expert_rows
+    kernel, whole = cpu_kernels.expert_rows, formats.moe
 
     def counted(x, gate_up, down, *args):
         calls["gate_up"] += gate_up is not None
         calls["down"] += down is not None
         return kernel(x, gate_up, down, *args)
 
+    def counted_whole(*args):
+        calls["gate_up"] += 1
+        calls["down"] += 1
+        return whole(*args)
+
     monkeypatch.setattr(cpu_kernels, "expert_rows", counted)
+    monkeypatch.setattr(formats, "moe", counted_whole)
     config = EngineConfig(offload_policy=policy, expert_cache_fraction=0.25, link_ratio=2.0, host_ratio=2.0)
     _same_text_with_and_without_kernels(monkeypatch, config, prompts, params, calls)
 

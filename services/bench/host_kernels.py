@@ -22,8 +22,11 @@ import torch
 from tqdm import tqdm
 
 from services.common.report import bar_plot, markdown_table, run_header, write_json, write_markdown
+from services.engine import cpu_kernels
+from services.engine.cpu_threads import use_threads
 from services.engine.expert_provider import ExpertWeights
 from services.engine.models.moe import expert_forward
+from services.engine.models.native_linear import NativeLinear
 from services.engine.models.packed_linear import PackedLinear, should_pack
 from services.engine.quant.kernels import packed_linear
 from services.engine.quant.layout import expert_layout
@@ -98,10 +101,15 @@ def expert_copies(fmt: str, gen: torch.Generator, cycle_bytes: int) -> tuple[lis
 
 
 def dense_copies(fmt: str, shape: tuple[int, int], gen: torch.Generator, cycle_bytes: int) -> tuple[list[object], int]:
-    """A dense matrix as the model runs `fmt` (its PackedLinear, packed or not as the model decides at the
-    current thread count, for fp32/bf16; the weight-only kernels' packed matrix, as quantized experts use, for
-    int8/int4), in enough copies to stream `cycle_bytes` per pass, and one copy's bytes."""
+    """A dense matrix as the model runs `fmt` (its dense layer: native_linear where the kernels are built,
+    else PackedLinear), in enough copies to stream `cycle_bytes` per pass, and one copy's bytes."""
     bases = [torch.randn(*shape, generator=gen) / shape[1] ** 0.5 for _ in range(_UNIQUE)]
+    if cpu_kernels.library() is not None:
+        layers = [NativeLinear(b, None, fmt, GROUP_SIZE) for b in bases]
+        nbytes = layers[0].nbytes
+        layers += [NativeLinear(bases[i % _UNIQUE], None, fmt, GROUP_SIZE)
+                   for i in range(_UNIQUE, _count(nbytes, cycle_bytes))]
+        return layers, nbytes  # type: ignore[return-value]
     if fmt in _DTYPE:
         mats = [b.to(_DTYPE[fmt]) for b in bases]
         nbytes = mats[0].numel() * mats[0].element_size()
@@ -110,12 +118,14 @@ def dense_copies(fmt: str, shape: tuple[int, int], gen: torch.Generator, cycle_b
         return [PackedLinear(m, None, pack) for m in mats], nbytes
     packed = [pack_matrix(b, QuantScheme(int(fmt[3:]), GROUP_SIZE), "cpu") for b in bases]
     nbytes = packed[0].nbytes
-    packed += [dataclasses.replace(p, qweight=p.qweight.clone(), scales=p.scales.clone())
+    packed += [dataclasses.replace(p, qweight=p.qweight.clone(), scales=p.scales.clone(), _cpu=None)
                for p in (packed[i % _UNIQUE] for i in range(_UNIQUE, _count(nbytes, cycle_bytes)))]
     return packed, nbytes  # type: ignore[return-value]
 
 
 def dense_call(x: torch.Tensor, weights: object) -> torch.Tensor:
+    if isinstance(weights, NativeLinear):
+        return weights(x)
     if isinstance(weights, PackedLinear):
         return weights(x if x.dtype == weights.weight.dtype else x.to(weights.weight.dtype))
     return packed_linear(x, weights)  # type: ignore[arg-type]
@@ -152,7 +162,7 @@ def run_host_kernels(json_path: str, formats: list[str], rows: list[int], thread
         for fmt in formats:
             for kind, shape in kinds.items():
                 for t in threads:
-                    torch.set_num_threads(t)  # before building: the model decides oneDNN packing per thread count
+                    use_threads(t)  # before building: without native kernels, oneDNN packing depends on it
                     gen = torch.Generator().manual_seed(seed)
                     if shape is None:
                         weights, nbytes = expert_copies(fmt, gen, cycle)

@@ -41,11 +41,14 @@ class FormatPair:
 # The one table of matching formats. Today HintServe quantizes only the routed experts (the rest stays in the
 # run dtype); when the non-expert weights get int8/int4 formats, their EngineConfig fields go in here.
 FORMATS: dict[str, FormatPair] = {
+    # Whole models on both sides: every matrix but the router, norms and embedding table in the format.
     "f32": FormatPair("F32", "f32", None, {"dtype": "float32"}),
-    "bf16": FormatPair("BF16", "bf16", None, {"dtype": "bfloat16"}),
-    "q8_0": FormatPair("Q8_0", "q8_0", None, {"dtype": "float32", "expert_dtype": "int8"}),
-    # Q4_0: blocks of 32 weights with one scale; our int4 at group size 32 (a scale and a zero per group).
-    "q4_0": FormatPair("Q4_0", "bf16", 2, {"dtype": "float32", "expert_dtype": "int4", "expert_group_size": 32}),
+    "bf16": FormatPair("BF16", "bf16", None, {"dtype": "float32", "expert_dtype": "bf16", "weight_dtype": "bf16"}),
+    "q8_0": FormatPair("Q8_0", "q8_0", None, {"dtype": "float32", "expert_dtype": "int8", "weight_dtype": "int8"}),
+    # Q4_0: 32 weights share an fp16 scale, 4.5 bits a weight; our int4 at group 64 (a bf16 scale and zero per
+    # group) costs the same 4.5 bits.
+    "q4_0": FormatPair("Q4_0", "bf16", 2, {"dtype": "float32", "expert_dtype": "int4", "expert_group_size": 64,
+                                           "weight_dtype": "int4", "weight_group_size": 64}),
 }
 SYSTEMS = ("llama.cpp", "hintserve")
 

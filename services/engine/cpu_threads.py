@@ -25,9 +25,12 @@ def apply_threads(config: EngineConfig) -> None:
     """CPU compute threads, the same for `generate` (core on a thread) and `serve` (core process): the native
     kernels' pool gets them and torch runs one intra-op thread, so no two pools share the cores; without the
     kernels, torch gets them. CUDA engines leave both as they are (the host executor has its own workers)."""
-    if config.device != "cpu":
-        return
-    threads = config.threads or core_threads()
+    if config.device == "cpu":
+        use_threads(config.threads or core_threads())
+
+
+def use_threads(threads: int) -> None:
+    """`threads` compute: the native kernels' pool (torch then on one), else torch's intra-op threads."""
     if cpu_kernels.library() is not None:
         cpu_kernels.set_threads(threads)
         torch.set_num_threads(1)

@@ -47,12 +47,15 @@ INLINE float bf16f(uint16_t h) {
 INLINE void f32_block(const float *w, const acts *a, const int64_t *rows, int mm, int64_t K, float *out) {
 #if defined(HAVE_AVX512)
     __m512 acc[MB];
-    for (int r = 0; r < mm; r++)
+    const float *x[MB];
+    for (int r = 0; r < mm; r++) {
         acc[r] = _mm512_setzero_ps();
+        x[r] = a->f32 + rows[r] * a->ld;
+    }
     for (int64_t k = 0; k < K; k += 16) {
         __m512 wv = _mm512_loadu_ps(w + k);
         for (int r = 0; r < mm; r++)
-            acc[r] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(a->f32 + rows[r] * a->ld + k), acc[r]);
+            acc[r] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x[r] + k), acc[r]);
     }
     for (int r = 0; r < mm; r++)
         out[r] = _mm512_reduce_add_ps(acc[r]);
@@ -75,12 +78,15 @@ INLINE void f32_block(const float *w, const acts *a, const int64_t *rows, int mm
 INLINE void bf16_block(const uint16_t *w, const acts *a, const int64_t *rows, int mm, int64_t K, float *out) {
 #if defined(__AVX512BF16__)
     __m512 acc[MB];
-    for (int r = 0; r < mm; r++)
+    const uint16_t *x[MB];
+    for (int r = 0; r < mm; r++) {
         acc[r] = _mm512_setzero_ps();
+        x[r] = a->bf16 + rows[r] * K;
+    }
     for (int64_t k = 0; k < K; k += 32) {
         __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
         for (int r = 0; r < mm; r++)
-            acc[r] = _mm512_dpbf16_ps(acc[r], wv, (__m512bh)_mm512_loadu_si512(a->bf16 + rows[r] * K + k));
+            acc[r] = _mm512_dpbf16_ps(acc[r], wv, (__m512bh)_mm512_loadu_si512(x[r] + k));
     }
     for (int r = 0; r < mm; r++)
         out[r] = _mm512_reduce_add_ps(acc[r]);

@@ -50,8 +50,9 @@ static void run_items(hs_task fn, void *ctx, int64_t n_items) {
 }
 
 static void *worker(void *arg) {
-    (void)arg;
-    uint64_t seen = atomic_load(&pool.generation);
+    /* The generation in force when this worker was made (under `busy`, so no job was being posted): read
+     * here instead, a job posted before the thread first ran would count as seen, and never be joined. */
+    uint64_t seen = (uint64_t)(uintptr_t)arg;
     for (;;) {
         int spins = 0;
         while (atomic_load_explicit(&pool.generation, memory_order_acquire) == seen && !atomic_load(&pool.stop)) {
@@ -95,8 +96,9 @@ int hs_set_threads(int threads) {
     if (threads != pool.threads) {
         stop_workers();
         int started = 1;
+        void *generation = (void *)(uintptr_t)atomic_load(&pool.generation);
         for (; started < threads; started++)
-            if (pthread_create(&pool.tids[started], NULL, worker, NULL) != 0)
+            if (pthread_create(&pool.tids[started], NULL, worker, generation) != 0)
                 break;
         pool.threads = started;
     }

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine import cpu_kernels
+from services.engine.cpu_kernels import formats
 from services.engine.expert_provider import ExpertProvider, ExpertWeights
 from services.engine.models.router import Routing
 from services.engine.quant.kernels import packed_swiglu
@@ -24,12 +25,12 @@ def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.
 
 def expert_forward(x: torch.Tensor, w: ExpertWeights | QuantizedExpertWeights) -> torch.Tensor:
     """One routed expert on the tokens routed to it: the single entry point every executor calls."""
+    if cpu_kernels.usable(x):
+        gate_up, down = formats.as_cpu_matrix(w.gate_up), formats.as_cpu_matrix(w.down)
+        if gate_up is not None and down is not None and gate_up.format == down.format:
+            return formats.expert(x, gate_up, down)  # any CPU format, on the kernels' pool
     if isinstance(w, QuantizedExpertWeights):
         return packed_swiglu(x, w.gate_up, w.down)
-    if native_expert(w) and cpu_kernels.usable(x) and x.stride(-1) == 1:
-        y = torch.empty(x.shape[0], w.down.shape[0])
-        cpu_kernels.expert_rows(x, w.gate_up, w.down, y, x.shape[0])
-        return y
     return expert_down(expert_activation(x, w.gate_up), w.down, x.dtype)
 
 
