@@ -12,6 +12,7 @@ import torch
 
 from services.cli import main
 from services.common.iteration_context import IterationContext, RequestTrace
+from services.engine.offload.memory_bus import MemoryBus
 from services.engine.offload.policies import POLICIES, get_policy
 from services.engine.offload.stats import OffloadStats
 from services.engine.offload.transfer_engine import Transfer
@@ -83,7 +84,7 @@ def _transfer(engine: SimTransferEngine, key, demand: bool, priority: float = 1.
 
 def test_copy_engine_orders_demand_first_and_between_chunks() -> None:
     clock = SimClock()
-    engine = SimTransferEngine(SimLink(1000.0), OffloadStats(1), clock, (2000, 1000))  # chunks of 2 s and 1 s
+    engine = SimTransferEngine(SimLink(1000.0), OffloadStats(1), clock, (2000, 1000), MemoryBus(math.inf))  # 2 s, 1 s
     prefetch = _transfer(engine, (0, 1), demand=False)
     engine.submit(prefetch)
     clock.now = 0.5  # the prefetch's first chunk is on the link
@@ -99,7 +100,7 @@ def test_copy_engine_orders_demand_first_and_between_chunks() -> None:
 
 def test_copy_engine_cancels_and_promotes_queued_transfers() -> None:
     clock = SimClock()
-    engine = SimTransferEngine(SimLink(1000.0), OffloadStats(1), clock, (1000, 1000))
+    engine = SimTransferEngine(SimLink(1000.0), OffloadStats(1), clock, (1000, 1000), MemoryBus(math.inf))
     first, stale, late = (
         _transfer(engine, (0, e), demand=False, priority=p) for e, p in ((1, 3.0), (2, 2.0), (3, 1.0))
     )

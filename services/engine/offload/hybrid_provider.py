@@ -82,6 +82,7 @@ class HybridExpertProvider(OffloadedExpertProvider):
         return plan
 
     def dispatched(self, layer: int, ctx: StepContext) -> None:
+        self.executor.flush()  # the layer's host jobs in one hand-off, before any planning
         super().dispatched(layer, ctx)
         self._asking = None  # the prefetchers asked in super() are done; the hot-set fill is nobody's guess
         if self._hot_missing and not ctx.is_prefill:

@@ -27,6 +27,7 @@ from services.engine.offload.hybrid_setup import (
     planned_split,
 )
 from services.engine.offload.link import EmulatedLink, Link, emulation_unit
+from services.engine.offload.memory_bus import MemoryBus, emulated_dram
 from services.engine.offload.prefetch import (
     AffinityPrefetcher,
     NextLayerPrefetcher,
@@ -153,10 +154,16 @@ def build_expert_provider(
              settings.policy.rules, stats)
     if costs is None:
         return OffloadedExpertProvider(*parts, stream_slots=spec.top_k, fence=fence)
-    emulated = (lambda n: costs.host(n)) if not cuda else None
+    # The emulated host prices an expert as the reference one (unquantized), whose bytes the link's rate counts.
+    reference = settings.link_reference_bytes or store.expert_bytes
+    emulated, bus = None, None
+    if not cuda:  # the emulated host's math and the emulated link's copies read one DRAM
+        emulated = lambda n: costs.host(n)  # noqa: E731
+        if isinstance(link, EmulatedLink):
+            link.bus = bus = MemoryBus(emulated_dram(reference, costs.host(1), link.bytes_per_second))
     return HybridExpertProvider(
         *parts, stream_slots=spec.top_k, fence=fence, pinned=pinned, prefetch_floor=settings.policy.prefetch_floor,
         prefetch_depth=settings.policy.prefetch_depth, split_staging=staging,
         placement=make_placement(settings.policy, costs, split),
-        executor=HostExecutor(settings.host_threads, stats, emulated),
+        executor=HostExecutor(settings.host_threads, stats, emulated, bus, reference),
     )
