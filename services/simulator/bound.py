@@ -5,7 +5,9 @@ there, or copied over the link into a slot. The fewest such misses any placement
 optimal offline caching with bypass (Belady's rule: a miss evicts the resident expert used farthest ahead, or
 stays uncached when it is used later than all of them); a load counts like a host read, since both move one
 expert out of DRAM. Those bytes move at most at min(DRAM, host kernel rate + link rate) when the host computes
-misses, or at the link rate when it does not; the device's own work (the resident run) overlaps them at best:
+misses, or at the link rate when it does not (misses_per_second: where the two sides read different bytes per
+miss, as the emulated host does for packed experts, the side that reads fewer goes first); the device's own work
+(the resident run) overlaps them at best:
 
     bound = min(max(D, B / link), max(D, B / min(DRAM, host + link)) + sync * L)
 
@@ -74,16 +76,36 @@ def fewest_misses(steps: list[list[list[int]]], slots: int) -> list[list[int]]:
     return misses
 
 
+@dataclass(frozen=True)
+class Side:
+    """One way a miss is served: `seconds` per miss alone, `dram_bytes` it reads from the host's DRAM."""
+
+    seconds: float
+    dram_bytes: float
+
+
+def misses_per_second(link: Side, host: Side | None, dram: float) -> float:
+    """The most misses per second the link and the host together serve with `dram` bytes/s between them: each
+    side at most at its own rate, the side that reads fewer bytes per miss first (the optimum of that linear
+    program); host None: the link alone."""
+    left, rate = dram, 0.0
+    for side in sorted([link] + ([host] if host is not None else []), key=lambda s: s.dram_bytes):
+        take = min(1.0 / side.seconds, left / side.dram_bytes)
+        rate += take
+        left -= take * side.dram_bytes
+    return rate
+
+
 def physical_bound(
-    device_seconds: float, miss_bytes: float, miss_layers: int, steps: int, link: float, host: float,
-    dram: float, sync_seconds: float,
+    device_seconds: float, misses: int, miss_bytes: float, miss_layers: int, steps: int, link: Side,
+    host: Side | None, dram: float, sync_seconds: float,
 ) -> Bound:
-    """`link`, `host`, `dram`: bytes/s of the link alone, of the host's expert math alone (memory-bound, one
-    token), and of the DRAM all its readers share; `host` 0: the configuration computes nothing on the host."""
-    transfer_only = max(device_seconds, miss_bytes / link)
-    best = transfer_only
-    if host > 0:
-        hybrid = max(device_seconds, miss_bytes / min(dram, host + link)) + sync_seconds * miss_layers
+    """max(device, misses at the link's rate), or with the host beside it, at both sides' rate on the shared DRAM
+    plus the host path's sync per layer visit with a miss; whichever is faster. `host` None: nothing computed
+    on the host in this configuration."""
+    best = max(device_seconds, misses / misses_per_second(link, None, dram))
+    if host is not None:
+        hybrid = max(device_seconds, misses / misses_per_second(link, host, dram)) + sync_seconds * miss_layers
         best = min(best, hybrid)
     return Bound(best, device_seconds, miss_bytes, miss_layers, steps)
 
@@ -114,14 +136,15 @@ def simulated_bounds(
             device += cost.layer_seconds(layer, shape)
             if spec.moe_layers[layer]:
                 device += sum(cost.expert_seconds(n) for n in workload.route(step, layer, ctx).values())
-    host = spec.expert_bytes / cost.host_expert_seconds(1)
-    rates = (cost.link_bytes_per_second, host, cost.dram_bytes_per_second(spec.expert_bytes), HOST_PATH_S)
+    size = spec.expert_bytes
+    link, host = Side(size / cost.link_bytes_per_second, size), Side(cost.host_expert_seconds(1), size)
+    dram = cost.dram_bytes_per_second(size)
 
     def bound(misses: list[list[int]] | None) -> Bound:
         per_step = [misses[s.index] if misses is not None else [] for s in counted]
-        miss_bytes = sum(sum(m) for m in per_step) * spec.expert_bytes
+        count = sum(sum(m) for m in per_step)
         miss_layers = sum(1 for m in per_step for n in m if n)
-        return physical_bound(device, miss_bytes, miss_layers, len(counted), *rates)
+        return physical_bound(device, count, count * size, miss_layers, len(counted), link, host, dram, HOST_PATH_S)
 
     if slots is None:
         return bound(None), bound(None)
