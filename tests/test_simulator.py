@@ -180,7 +180,7 @@ def test_mixtral_on_a5000_policies(tmp_path) -> None:
     trace = trace.subset(trace.requests[:1])  # HumanEval/0, 83 tokens: keeps the test fast
     spec = MODEL_SPECS["mixtral-8x7b"]
     workload = Workload(trace, spec)
-    names = ["resident", "ondemand", "lru", "oracle", "speculative", "finemoe"]
+    names = ["resident", "ondemand", "lru", "lru-global", "oracle", "speculative", "finemoe"]
     rows, skipped = run_sweep(
         workload,
         [POLICIES[n] for n in names],
@@ -194,9 +194,11 @@ def test_mixtral_on_a5000_policies(tmp_path) -> None:
     link_s = 64 * spec.expert_bytes / 25e9  # link-bound: 22.5 GB per token at 25 GB/s
     assert by["ondemand"]["tpot_ms"] == pytest.approx(by["resident"]["tpot_ms"] + link_s * 1e3, rel=0.01)
     assert by["oracle"]["hit_rate"] > 0.99 and by["oracle"]["tpot_ms"] < by["lru"]["tpot_ms"]
-    # 56 slots hold less than one token's 64 experts: cyclic layer order makes LRU evict each expert just
-    # before its layer comes round again; FineMoE's predictor hints (learned online) still hit.
-    assert by["lru"]["hit_rate"] == 0.0 and by["finemoe"]["hit_rate"] > 0.2
+    # 56 slots hold less than one token's 64 experts: cyclic layer order makes one global LRU evict each expert
+    # just before its layer comes round again; Mixtral-Offloading's per-layer slots (1-2 a layer) keep some, and
+    # FineMoE's predictor hints (learned online) hit more.
+    assert by["lru-global"]["hit_rate"] == 0.0 and by["lru"]["hit_rate"] > 0.1 and by["finemoe"]["hit_rate"] > 0.2
+    assert by["lru"]["tpot_ms"] < by["lru-global"]["tpot_ms"]
     assert math.isclose(by["lru"]["cache_gb"], 56 * spec.expert_bytes / 1e9)
 
 

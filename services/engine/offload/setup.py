@@ -78,6 +78,9 @@ def make_eviction(settings: OffloadSettings, spec: ExpertGeometry) -> EvictionPo
         return EVICTION_POLICIES[name](spec.num_layers)  # type: ignore[call-arg]
     if name in ("eam", "next-use"):
         return EVICTION_POLICIES[name](spec.num_layers, spec.num_experts)  # type: ignore[call-arg]
+    if name == "lru":  # per-layer shares of the slots
+        moe = [layer for layer, is_moe in enumerate(spec.moe_layers) if is_moe]
+        return EVICTION_POLICIES[name](settings.slots, moe)  # type: ignore[call-arg]
     if name == "hot-set":  # room beside the hot set: the prefetches on the link (at least one slot)
         reserve = max(1, settings.policy.prefetch_depth)
         return EVICTION_POLICIES[name](settings.slots, reserve)  # type: ignore[call-arg]
