@@ -570,3 +570,41 @@ def test_hintserve_streams_whole_fetches_beside_its_hot_set(reference) -> None:
     assert decode_fetches and provider.stats.host_experts == 0
     assert early_hot_victims == []
     assert min(hot_sizes) >= provider.cache.num_slots - max(provider.prefetch_depth, engine.spec.top_k)
+
+
+def test_hintserve_machinery_goes_quiet_while_the_cache_holds_everything_and_returns_with_misses(
+    reference, monkeypatch
+) -> None:
+    """With every expert cached, no decode step misses: after QUIET_AFTER_STEPS of them the per-step machinery
+    (prefetch planning and its gate, hot-set fill and bookkeeping) stops; misses turn it back on. (Without split
+    experts, whose staging would take one of the tiny model's 24 slots.)"""
+    from dataclasses import replace
+
+    from services.engine.offload.hybrid_provider import HybridExpertProvider
+    from services.engine.offload.policies import POLICIES
+
+    monkeypatch.setitem(POLICIES, "hintserve", replace(POLICIES["hintserve"], split_experts=False))
+
+    model_dir, expected, trace = reference
+    planned: list[int] = []
+    plan = HybridExpertProvider._plan
+    monkeypatch.setattr(HybridExpertProvider, "_plan",
+                        lambda self, p, layer, ctx: planned.append(layer) or plan(self, p, layer, ctx))
+    engine = LLMEngine(EngineConfig(model=model_dir, offload_policy="hintserve", routing_trace=trace,
+                                    expert_cache_fraction=1.0, link_ratio=2.0))
+    try:
+        assert engine.generate(_prompts(), GREEDY) == expected
+        provider = engine.model.experts
+        assert provider.quiet and provider.stats.quiet_steps > 0
+        assert engine.stats()["offload_quiet_steps_total"] == provider.stats.quiet_steps
+        planned.clear()
+        quiet = provider.stats.quiet_steps
+        assert engine.generate(_prompts(), GREEDY) == expected  # every expert still cached: nobody asked
+        assert planned == [] and provider.stats.quiet_steps == quiet + GREEDY.max_tokens - 1  # one batch of two
+        for slot in provider.cache.slots:  # the cache loses what it held: misses return
+            if slot.key is not None and slot.key not in provider.pinned and slot.pins == 0:
+                provider.cache.release(slot)
+        assert engine.generate(_prompts(), GREEDY) == expected
+        assert planned and provider.stats.misses and sum(provider.stats.misses) > 0
+    finally:
+        engine.close()
