@@ -36,6 +36,15 @@ def reference(tiny_mixtral_dir, tmp_path_factory):
     return tiny_mixtral_dir, expected, path
 
 
+@pytest.fixture
+def separate_memories(monkeypatch):
+    """The emulated host and link each with a memory of its own: on one DRAM, which the host's GEMV alone fills,
+    a split never beats the host (memory_bus.py), and the split mechanics would go untested."""
+    from services.engine.offload import memory_bus
+
+    monkeypatch.setattr(memory_bus, "EMULATED_DRAM_OVER_HOST", float("inf"))
+
+
 def _run(reference, policy: str, **kw):
     model_dir, expected, trace = reference
     engine = LLMEngine(EngineConfig(model=model_dir, offload_policy=policy, routing_trace=trace, **kw))
@@ -225,6 +234,7 @@ def test_only_dense_experts_split() -> None:
     assert split_prices((200, 100), dense=False) is None
 
 
+@pytest.mark.usefixtures("separate_memories")
 def test_split_experts_keep_tokens_and_free_their_staging(reference) -> None:
     # Host and link close in price: hintserve splits misses (gate/up on the host, down over the link).
     tokens, expected, provider, stats = _run(reference, "hintserve", expert_cache_fraction=0.25, link_ratio=30.0,
@@ -273,6 +283,7 @@ def test_no_staging_where_no_decode_miss_would_split() -> None:
     assert not split_pays(None, costs(30), max_tokens=16, top_k=2, num_experts=8)  # a packed expert never splits
 
 
+@pytest.mark.usefixtures("separate_memories")
 def test_hintserve_at_a_slow_link_keeps_its_whole_budget_for_experts(reference) -> None:
     # Batch 1 (max_num_seqs 1) at ratio 100: no split would pay, so no slot goes to staging.
     tokens, expected, provider, _ = _run(reference, "hintserve", expert_cache_fraction=0.25, link_ratio=100.0,
@@ -285,6 +296,17 @@ def test_hintserve_at_a_slow_link_keeps_its_whole_budget_for_experts(reference) 
     assert fast.staging is not None and len(provider.cache.slots) == len(fast.cache.slots) + 1
 
 
+def test_on_one_dram_hintserve_splits_nothing(reference) -> None:
+    """The emulated host's GEMV takes all the DRAM the link's copies read: a split expert's halves share it and
+    finish no sooner than the host alone, so no slot goes to staging (the link ratio that splits on separate
+    memories, above)."""
+    tokens, expected, provider, _ = _run(reference, "hintserve", expert_cache_fraction=0.25, link_ratio=30.0,
+                                         max_num_seqs=1)
+    assert tokens == expected and provider.staging is None and provider.stats.host_split_experts == 0
+    assert provider.costs.dram < float("inf") and provider.executor.bus is provider.transfers.link.bus
+
+
+@pytest.mark.usefixtures("separate_memories")
 @pytest.mark.parametrize("budget", [2, 3])
 def test_hintserve_on_a_cache_its_layer_pins_whole_keeps_tokens(reference, budget: int) -> None:
     # The staging takes its share of the smallest budgets (top-k slots) first.
@@ -497,6 +519,7 @@ def test_host_work_starts_before_the_layers_prefetch_planning(reference, monkeyp
     assert layers_with_both > 0
 
 
+@pytest.mark.usefixtures("separate_memories")
 @pytest.mark.parametrize("host_ratio", [20.0, 12.0])
 def test_a_split_experts_longer_half_starts_first(reference, monkeypatch, host_ratio: float) -> None:
     """Each side's clock runs from its own submit, so the longer half of a split is handed over first: at

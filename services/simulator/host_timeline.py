@@ -9,6 +9,8 @@ measurement feeds it).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from services.engine.offload.cost_model import PROBE_TOKENS, PlacementCosts
@@ -71,11 +73,12 @@ class SimHostExecutor:
 def placement_costs(cost: CostModel, expert_bytes: int) -> PlacementCosts:
     """The prices the engine measures at start-up, read off the simulator's cost model."""
     ends = (1, PROBE_TOKENS)
-    return PlacementCosts.fit(
+    costs = PlacementCosts.fit(
         tuple(cost.expert_seconds(n) for n in ends),  # type: ignore[arg-type]
         tuple(cost.host_expert_seconds(n) for n in ends),  # type: ignore[arg-type]
         expert_bytes / cost.link_bytes_per_second,
     )
+    return replace(costs, dram=cost.dram_bytes_per_second(expert_bytes), host_bytes=expert_bytes, link_bytes=expert_bytes)
 
 
 def token_slice(tokens: int) -> torch.Tensor:

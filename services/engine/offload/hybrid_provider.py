@@ -62,7 +62,8 @@ class HybridExpertProvider(OffloadedExpertProvider):
         self._hot_missing: list[Key] = []  # hot-set experts not cached, as of the last step end
         self.gate = None
         if self.costs is not None and prefetch_depth > 0:
-            self.gate = PrefetchGate(self._saving_per_hit(), self._copy_cpu_seconds(), clock=clock)
+            self.gate = PrefetchGate(self._saving_per_hit(), self._copy_cpu_seconds() + self._copy_dram_seconds(),
+                                     clock=clock)
         # What the gate is told: which prefetcher filled each prefetched slot, and which evicted each
         # recent victim (a miss on one is a hit that prefetcher displaced); None: the hot-set fill.
         self._asking: int | None = None
@@ -260,6 +261,12 @@ class HybridExpertProvider(OffloadedExpertProvider):
         """What a guess that lands saves on one token: the miss's cheapest other side, less the device."""
         miss = min(self.costs.host(1), self.placement.split_seconds(1))  # type: ignore[union-attr,attr-defined]
         return max(0.0, miss - self.costs.device(1))  # type: ignore[union-attr]
+
+    def _copy_dram_seconds(self) -> float:
+        """The host's time one expert's copy takes from it: its bytes on the DRAM the host's math reads too (one
+        DRAM, offload/memory_bus.py; the host's GEMV alone takes all of it), 0 where the DRAM is not modelled."""
+        dram = self.costs.dram  # type: ignore[union-attr]
+        return 0.0 if dram == float("inf") else self.costs.link_bytes / dram  # type: ignore[union-attr]
 
     def _copy_cpu_seconds(self) -> float:
         """Compute-side seconds one expert's transfer takes: the memcpy of an emulated link (the copy

@@ -23,11 +23,17 @@ LINK_LANE = "link"  # the copy engine's reads of pinned host memory
 _EPS = 1e-9  # bytes left below this share of a job count as done (float rounding)
 
 
+# The emulated DRAM over what the emulated host's expert math draws alone: 1, as on the reference box (dual-channel
+# DDR4: the GEMV's 75% of peak is all the DRAM gives its readers together); inf: the host and the link each with a
+# memory of its own (what the emulation assumed before the one-DRAM model).
+EMULATED_DRAM_OVER_HOST = 1.0
+
+
 def emulated_dram(expert_bytes: float, host_seconds: float, link: float) -> float:
-    """An emulated host's DRAM: what its expert math draws alone (one expert of `expert_bytes` on one token, memory-
-    bound), as on the reference box (dual-channel DDR4: the GEMV's 75% of peak is all the DRAM gives its readers
-    together); never less than the `link` alone draws (a host slowed by its cores, not by its memory)."""
-    return max(expert_bytes / host_seconds, link)
+    """An emulated host's DRAM: EMULATED_DRAM_OVER_HOST x what its expert math draws alone (one expert of
+    `expert_bytes` on one token, memory-bound), never less than the `link` alone draws (a host slowed by its
+    cores, not by its memory)."""
+    return max(EMULATED_DRAM_OVER_HOST * expert_bytes / host_seconds, link)
 
 
 def fair_rates(capacity: float, caps: Sequence[float]) -> list[float]:

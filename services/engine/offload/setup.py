@@ -13,7 +13,7 @@ from services.engine.expert_provider import ExpertProvider
 from services.engine.models.geometry import ExpertGeometry
 from services.engine.models.spec import ModelSpec
 from services.engine.models.weights import NonExpertWeights, WeightReader
-from services.engine.offload.cost_model import measure_costs
+from services.engine.offload.cost_model import PlacementCosts, measure_costs
 from services.engine.offload.eviction import EVICTION_POLICIES, EvictionPolicy
 from services.engine.offload.expert_cache import ExpertCache
 from services.engine.offload.host_executor import HostExecutor
@@ -59,6 +59,14 @@ def make_link(settings: OffloadSettings, spec: ExpertGeometry, dtype: torch.dtyp
     log.info("emulated link: %.3f ms per expert (ratio %.1f)", per_expert * 1e3, ratio)
     # Bandwidth from the unquantized expert, so a packed one moves its fewer bytes faster (a fair comparison).
     return EmulatedLink((settings.link_reference_bytes or settings.expert_bytes) / per_expert)
+
+
+def _one_dram(costs: PlacementCosts, link: EmulatedLink, reference: int, stored: int) -> PlacementCosts:
+    """The emulated host's math and the emulated link's copies on one DRAM (offload/memory_bus.py), sized as the
+    emulated host's GEMV; the emulated host prices an expert as the reference (unquantized) one, whose bytes the
+    link's rate counts, the link moves the stored ones."""
+    link.bus = MemoryBus(emulated_dram(reference, costs.host(1), link.bytes_per_second))
+    return replace(costs, dram=link.bus.capacity, host_bytes=reference, link_bytes=stored)
 
 
 def _trace(settings: OffloadSettings, policy_name: str) -> RoutingTrace:
@@ -139,6 +147,8 @@ def build_expert_provider(
                               store.expert_bytes, settings.host_ratio)
         log.info("placement costs (ms): device %.3f, host %.3f, link %.3f per expert and token",
                  costs.device(1) * 1e3, costs.host(1) * 1e3, costs.link * 1e3)
+        if not cuda and isinstance(link, EmulatedLink):  # the emulated host and link read one DRAM
+            costs = _one_dram(costs, link, settings.link_reference_bytes or store.expert_bytes, store.expert_bytes)
         split = layout_split_prices(store.layout)
         split = planned_split(settings.policy, split, costs, config.max_num_seqs, spec)
         staging = staging_buffers(spec.top_k, split)
@@ -157,16 +167,11 @@ def build_expert_provider(
              settings.policy.rules, stats)
     if costs is None:
         return OffloadedExpertProvider(*parts, stream_slots=spec.top_k, fence=fence)
-    # The emulated host prices an expert as the reference one (unquantized), whose bytes the link's rate counts.
-    reference = settings.link_reference_bytes or store.expert_bytes
-    emulated, bus = None, None
-    if not cuda:  # the emulated host's math and the emulated link's copies read one DRAM
-        emulated = lambda n: costs.host(n)  # noqa: E731
-        if isinstance(link, EmulatedLink):
-            link.bus = bus = MemoryBus(emulated_dram(reference, costs.host(1), link.bytes_per_second))
+    emulated = (lambda n: costs.host(n)) if not cuda else None
+    bus = link.bus if emulated is not None and isinstance(link, EmulatedLink) else None
     return HybridExpertProvider(
         *parts, stream_slots=spec.top_k, fence=fence, pinned=pinned, prefetch_floor=settings.policy.prefetch_floor,
         prefetch_depth=settings.policy.prefetch_depth, split_staging=staging,
         placement=make_placement(settings.policy, costs, split),
-        executor=HostExecutor(settings.host_threads, stats, emulated, bus, reference),
+        executor=HostExecutor(settings.host_threads, stats, emulated, bus, costs.host_bytes),
     )
