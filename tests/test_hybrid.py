@@ -36,6 +36,15 @@ def reference(tiny_mixtral_dir, tmp_path_factory):
     return tiny_mixtral_dir, expected, path
 
 
+@pytest.fixture
+def separate_memories(monkeypatch):
+    """The emulated host and link each with a memory of its own: on one DRAM, which the host's GEMV alone fills,
+    a split never beats the host (memory_bus.py), and the split mechanics would go untested."""
+    from services.engine.offload import memory_bus
+
+    monkeypatch.setattr(memory_bus, "EMULATED_DRAM_OVER_HOST", float("inf"))
+
+
 def _run(reference, policy: str, **kw):
     model_dir, expected, trace = reference
     engine = LLMEngine(EngineConfig(model=model_dir, offload_policy=policy, routing_trace=trace, **kw))
@@ -225,6 +234,7 @@ def test_only_dense_experts_split() -> None:
     assert split_prices((200, 100), dense=False) is None
 
 
+@pytest.mark.usefixtures("separate_memories")
 def test_split_experts_keep_tokens_and_free_their_staging(reference) -> None:
     # Host and link close in price: hintserve splits misses (gate/up on the host, down over the link).
     tokens, expected, provider, stats = _run(reference, "hintserve", expert_cache_fraction=0.25, link_ratio=30.0,
@@ -273,6 +283,7 @@ def test_no_staging_where_no_decode_miss_would_split() -> None:
     assert not split_pays(None, costs(30), max_tokens=16, top_k=2, num_experts=8)  # a packed expert never splits
 
 
+@pytest.mark.usefixtures("separate_memories")
 def test_hintserve_at_a_slow_link_keeps_its_whole_budget_for_experts(reference) -> None:
     # Batch 1 (max_num_seqs 1) at ratio 100: no split would pay, so no slot goes to staging.
     tokens, expected, provider, _ = _run(reference, "hintserve", expert_cache_fraction=0.25, link_ratio=100.0,
@@ -285,6 +296,17 @@ def test_hintserve_at_a_slow_link_keeps_its_whole_budget_for_experts(reference) 
     assert fast.staging is not None and len(provider.cache.slots) == len(fast.cache.slots) + 1
 
 
+def test_on_one_dram_hintserve_splits_nothing(reference) -> None:
+    """The emulated host's GEMV takes all the DRAM the link's copies read: a split expert's halves share it and
+    finish no sooner than the host alone, so no slot goes to staging (the link ratio that splits on separate
+    memories, above)."""
+    tokens, expected, provider, _ = _run(reference, "hintserve", expert_cache_fraction=0.25, link_ratio=30.0,
+                                         max_num_seqs=1)
+    assert tokens == expected and provider.staging is None and provider.stats.host_split_experts == 0
+    assert provider.costs.dram < float("inf") and provider.executor.bus is provider.transfers.link.bus
+
+
+@pytest.mark.usefixtures("separate_memories")
 @pytest.mark.parametrize("budget", [2, 3])
 def test_hintserve_on_a_cache_its_layer_pins_whole_keeps_tokens(reference, budget: int) -> None:
     # The staging takes its share of the smallest budgets (top-k slots) first.
@@ -497,6 +519,7 @@ def test_host_work_starts_before_the_layers_prefetch_planning(reference, monkeyp
     assert layers_with_both > 0
 
 
+@pytest.mark.usefixtures("separate_memories")
 @pytest.mark.parametrize("host_ratio", [20.0, 12.0])
 def test_a_split_experts_longer_half_starts_first(reference, monkeypatch, host_ratio: float) -> None:
     """Each side's clock runs from its own submit, so the longer half of a split is handed over first: at
@@ -570,3 +593,41 @@ def test_hintserve_streams_whole_fetches_beside_its_hot_set(reference) -> None:
     assert decode_fetches and provider.stats.host_experts == 0
     assert early_hot_victims == []
     assert min(hot_sizes) >= provider.cache.num_slots - max(provider.prefetch_depth, engine.spec.top_k)
+
+
+def test_hintserve_machinery_goes_quiet_while_the_cache_holds_everything_and_returns_with_misses(
+    reference, monkeypatch
+) -> None:
+    """With every expert cached, no decode step misses: after QUIET_AFTER_STEPS of them the per-step machinery
+    (prefetch planning and its gate, hot-set fill and bookkeeping) stops; misses turn it back on. (Without split
+    experts, whose staging would take one of the tiny model's 24 slots.)"""
+    from dataclasses import replace
+
+    from services.engine.offload.hybrid_provider import HybridExpertProvider
+    from services.engine.offload.policies import POLICIES
+
+    monkeypatch.setitem(POLICIES, "hintserve", replace(POLICIES["hintserve"], split_experts=False))
+
+    model_dir, expected, trace = reference
+    planned: list[int] = []
+    plan = HybridExpertProvider._plan
+    monkeypatch.setattr(HybridExpertProvider, "_plan",
+                        lambda self, p, layer, ctx: planned.append(layer) or plan(self, p, layer, ctx))
+    engine = LLMEngine(EngineConfig(model=model_dir, offload_policy="hintserve", routing_trace=trace,
+                                    expert_cache_fraction=1.0, link_ratio=2.0))
+    try:
+        assert engine.generate(_prompts(), GREEDY) == expected
+        provider = engine.model.experts
+        assert provider.quiet and provider.stats.quiet_steps > 0
+        assert engine.stats()["offload_quiet_steps_total"] == provider.stats.quiet_steps
+        planned.clear()
+        quiet = provider.stats.quiet_steps
+        assert engine.generate(_prompts(), GREEDY) == expected  # every expert still cached: nobody asked
+        assert planned == [] and provider.stats.quiet_steps == quiet + GREEDY.max_tokens - 1  # one batch of two
+        for slot in provider.cache.slots:  # the cache loses what it held: misses return
+            if slot.key is not None and slot.key not in provider.pinned and slot.pins == 0:
+                provider.cache.release(slot)
+        assert engine.generate(_prompts(), GREEDY) == expected
+        assert planned and provider.stats.misses and sum(provider.stats.misses) > 0
+    finally:
+        engine.close()

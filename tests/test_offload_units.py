@@ -142,8 +142,25 @@ def _ctx(step: int = 0) -> StepContext:
     return StepContext(Phase.DECODE, ["a"], 1, step_index=step, seq_lens=[1])
 
 
+def test_per_layer_lru_keeps_each_layers_share() -> None:
+    """Mixtral-Offloading: 4 slots over 2 MoE layers, 2 each; a layer at its share evicts its own least recently
+    used expert, one under it takes a slot from a layer over its share."""
+    lru = EVICTION_POLICIES["lru"](4, [0, 1])
+    for key in [(0, 1), (0, 2), (0, 3), (1, 1)]:  # layer 0 filled the free slots past its share
+        lru.on_insert(key)
+    lru.on_access((0, 1), _ctx())
+    held = [(0, 1), (0, 2), (0, 3), (1, 1)]
+    assert lru.victim(held, _ctx(), 1) == (0, 2)  # layer 1 under its share: layer 0's least recent goes
+    lru.on_evict((0, 2))
+    lru.on_insert((1, 2))
+    held = [(0, 1), (0, 3), (1, 1), (1, 2)]
+    lru.on_access((1, 1), _ctx())
+    assert lru.victim(held, _ctx(), 1) == (1, 2)  # at its share: its own, even though (0, 3) is older
+    assert lru.victim(held, _ctx(), 0) == (0, 3)
+
+
 def test_lru_lfu_and_finemoe_choices() -> None:
-    lru = EVICTION_POLICIES["lru"]()
+    lru = EVICTION_POLICIES["lru-global"]()
     for key in [(0, 1), (0, 2), (0, 3)]:
         lru.on_insert(key)
     lru.on_access((0, 1), _ctx())

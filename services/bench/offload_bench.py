@@ -9,6 +9,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 
+import torch
 from tqdm import tqdm
 
 from services.bench.prompts import prompt_ids
@@ -16,10 +17,15 @@ from services.common.report import bar_plot, markdown_table, run_header, write_j
 from services.engine.config import EngineConfig
 from services.engine.cpu_threads import core_threads, intra_op_threads
 from services.engine.llm_engine import LLMEngine
-from services.engine.models.geometry import total_experts
+from services.engine.models.geometry import expert_bytes, total_experts
+from services.engine.offload.cost_model import DEFAULT_HOST_RATIO
+from services.engine.offload.host_path import measure_host_path
+from services.engine.offload.link import EmulatedLink, emulation_unit
+from services.engine.offload.memory_bus import emulated_dram
 from services.engine.offload.policies import get_policy
 from services.engine.offload.routing_trace import RoutingTrace
 from services.engine.sampling_params import SamplingParams
+from services.simulator.bound import Bound, Side, fewest_misses, physical_bound
 
 
 @dataclass
@@ -41,6 +47,8 @@ class Row:
     expert_dtype: str = "auto"
     cache_experts: int = 0  # slots the cache budget holds (more for packed experts in the same bytes)
     tpot_samples_ms: list[float] = field(default_factory=list)  # every repeat's TPOT, in the order run
+    bound_tpot_ms: float = 0.0  # the physical bound of this configuration (simulator/bound.py)
+    of_bound: float = 0.0  # this row's decode speed as a share of the bound's
 
 
 def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams):
@@ -132,6 +140,7 @@ def run_offload_bench(
     progress = tqdm(total=len(cases) * len(policies) * repeats, desc="bench offload", unit="run")
     # The intra-op threads `hintserve serve` gives its engine core (the rest: link, host), for this run only.
     with intra_op_threads(core_threads() if device == "cpu" else None):
+        host_path = {str(n): measure_host_path(n) for n in (1, 16)}  # the engine's per-layer host path
         for dtype, cache, ratio, batch in cases:
             quant = dict(expert_dtype=dtype, expert_group_size=group_size)
             reference = LLMEngine(EngineConfig(model=model_dir, max_num_seqs=max(batch, 1), device=device, **quant))
@@ -142,7 +151,8 @@ def run_offload_bench(
             reference.runner.step_observers += [trace, calibration]
             _run(reference, warm, warm_params)
             reference.runner.step_observers.remove(calibration)
-            expected, *_ = _run(reference, prompts, params)
+            measured_from = len(trace.steps)  # the measured run's first step (its prefill)
+            expected, _, resident_tpot, _ = _run(reference, prompts, params)
             trace_path = os.path.join(trace_dir, f"trace-{dtype}-b{batch}.json")
             trace.save(trace_path)
             hot_set_path = trace_path
@@ -153,6 +163,7 @@ def run_offload_bench(
             # Repeats go round the policies, so a slow spell on a shared machine falls on all of them alike,
             # each repeat starting one policy further on, so no policy always runs right after the same one.
             samples: dict[str, list[Row]] = {policy: [] for policy in policies}
+            offloaded: dict[str, float] = {}  # what the bound reads off an offloaded engine: link, stored expert
             for repeat in range(repeats):
                 shift = repeat % len(policies)
                 for policy in policies[shift:] + policies[:shift]:
@@ -169,15 +180,45 @@ def run_offload_bench(
                                batch * (new_tokens - 1))
                     slots = getattr(getattr(engine.model.experts, "cache", None), "num_slots", 0)
                     samples[policy].append(replace(row, expert_dtype=dtype, cache_experts=slots))
+                    copies = getattr(getattr(engine.model.experts, "transfers", None), "link", None)
+                    if isinstance(copies, EmulatedLink):
+                        offloaded.update(link=copies.bytes_per_second, stored=engine.model.experts.store.expert_bytes)
                     engine.close()
                     progress.update()
-            rows += [_median_row(samples[policy]) for policy in policies]
+            case = [_median_row(samples[policy]) for policy in policies]
+            if offloaded:
+                reference_bytes = expert_bytes(reference.spec, reference.dtype if dtype == "auto" else torch.bfloat16)
+                unit = emulation_unit(reference.spec.hidden_size, reference.spec.moe_intermediate_size, reference.dtype)
+                # The device time: the resident policy's run where there is one (the reference run also records
+                # the trace, which slows its steps), the faster of the two.
+                device_tpot = min([resident_tpot] + [r.tpot_ms / 1e3 for r in case if r.policy == "resident"])
+                bound = emulated_bound(
+                    trace.steps, measured_from, max(r.cache_experts for r in case), device_tpot, new_tokens - 1,
+                    Side(offloaded["stored"] / offloaded["link"], offloaded["stored"]),
+                    Side(DEFAULT_HOST_RATIO * unit, reference_bytes), offloaded["link"], host_path["1"]["host_path_s"],
+                )
+                case = [replace(r, bound_tpot_ms=bound.tpot_ms, of_bound=bound.tpot_ms / r.tpot_ms) for r in case]
+            rows += case
     progress.close()
     result = {**run_header(), "model": os.path.abspath(model_dir), "new_tokens": new_tokens,
-              "hot_set_from": hot_set_from,
+              "hot_set_from": hot_set_from, "host_path": host_path,
               "repeats": repeats, "device": device, "link": link, "rows": [asdict(r) for r in rows]}
     _report(result, rows, json_path, plot_path or os.path.splitext(json_path)[0] + ".png")
     return result
+
+
+def emulated_bound(
+    steps: list[list[list[int]]], measured_from: int, slots: int, resident_tpot: float, decode_steps: int,
+    link: Side, host: Side, link_rate: float, sync_seconds: float,
+) -> Bound:
+    """The bound of the measured run's decode (its steps after `measured_from`, the first of them its prefill),
+    on the emulated link and host (their DRAM: memory_bus.emulated_dram), with every engine's cache of `slots`
+    empty before the warm-up run; the device time is the resident engine's."""
+    misses = fewest_misses(steps, slots)[measured_from + 1 :]
+    count = sum(map(sum, misses))
+    dram = emulated_dram(host.dram_bytes, host.seconds, link_rate)
+    return physical_bound(resident_tpot * decode_steps, count, count * link.dram_bytes,
+                          sum(1 for m in misses for n in m if n), decode_steps, link, host, dram, sync_seconds)
 
 
 def _split(prompts: list[list[int]], batch: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -200,14 +241,17 @@ def _median_row(samples: list[Row]) -> Row:
 
 def _report(result: dict, rows: list[Row], json_path: str, plot_path: str) -> None:
     headers = ("policy", "experts", "cache (slots)", "ratio", "batch", "TTFT ms", "TPOT ms", "hit rate", "blocking ms/tok",
-               "MB/tok", "peak MB", "peak slots", "same tokens")
+               "MB/tok", "peak MB", "peak slots", "bound ms", "of bound", "same tokens")
     table = markdown_table(headers, [
         (r.policy, r.expert_dtype, f"{r.cache_fraction:.0%} ({r.cache_experts})", r.link_ratio, r.batch, r.ttft_ms, r.tpot_ms, r.hit_rate,
-         r.blocking_ms_per_token, r.mb_per_token, r.peak_device_mb, r.peak_expert_slots_in_use,
-         "yes" if r.tokens_identical_to_resident else "NO")
+         r.blocking_ms_per_token, r.mb_per_token, r.peak_device_mb, r.peak_expert_slots_in_use, r.bound_tpot_ms,
+         f"{r.of_bound:.2f}", "yes" if r.tokens_identical_to_resident else "NO")
         for r in rows
     ])
     print(table)
+    path = result["host_path"]
+    print("engine host path per MoE layer (submit, run, gather, merge; offload/host_path.py): "
+          + ", ".join(f"{n} token(s) {v['host_path_s'] * 1e6:.0f} us" for n, v in path.items()))
     write_json(json_path, result)
     write_markdown(os.path.splitext(json_path)[0] + ".md", "Offload policies", result, table)
     if rows:

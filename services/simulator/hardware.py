@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from services.engine.offload.memory_bus import emulated_dram
 from services.simulator.host import HostProfile, get_host
 from services.simulator.model_specs import MoEModelSpec
 
@@ -71,6 +72,7 @@ class CostModel(Protocol):
     """Seconds of compute for each piece of a step (the compute timeline's prices)."""
 
     link_bytes_per_second: float
+    device_memory_bytes_per_second: float  # what the device's kernels and landing copies share (inf: not shared)
 
     def layer_seconds(self, layer: int, step: StepShape) -> float:
         """Everything of `layer` but its routed experts: attention, router, shared expert or dense MLP."""
@@ -86,6 +88,10 @@ class CostModel(Protocol):
 
     def host_expert_seconds(self, tokens: int) -> float:
         """One routed expert applied to `tokens` tokens on the host, where its weights live."""
+        ...
+
+    def dram_bytes_per_second(self, expert_bytes: int) -> float:
+        """What the host's DRAM gives its expert math and the link's copies together (experts of `expert_bytes`)."""
         ...
 
 
@@ -106,6 +112,13 @@ class RooflineCost:
     @property
     def link_bytes_per_second(self) -> float:
         return self.hw.link_gbps * 1e9
+
+    def dram_bytes_per_second(self, expert_bytes: int) -> float:
+        return self.host.dram_bytes_per_second
+
+    @property
+    def device_memory_bytes_per_second(self) -> float:
+        return self.hw.memory_gbps * 1e9 * MEMORY_EFFICIENCY
 
     def layer_seconds(self, layer: int, step: StepShape) -> float:
         s = self.spec
@@ -139,6 +152,12 @@ class MeasuredCost:
     expert_token_s: float = 0.0  # each further token of the same expert
     head_s: float = 0.0
     host_ratio: float = 15.6  # the engine's emulated host (DEFAULT_HOST_RATIO), over expert_seconds
+    # The device is the engine's real CPU compute, not a shared model: its kernels are not slowed.
+    device_memory_bytes_per_second: float = float("inf")
+
+    def dram_bytes_per_second(self, expert_bytes: int) -> float:
+        # as the emulated engine sizes it
+        return emulated_dram(expert_bytes, self.host_expert_seconds(1), self.link_bytes_per_second)
 
     def host_expert_seconds(self, tokens: int) -> float:
         return self.host_ratio * self.expert_seconds(tokens)

@@ -1,7 +1,9 @@
 """Host profiles: the CPU and DRAM that compute host-placed experts, priced like the device (roofline).
 
 Decode on the host is memory-bound: an expert's bytes over the DRAM bandwidth a multi-threaded GEMV
-sustains (75% of the channels' peak, what STREAM reaches on desktop and server parts); prefill is bound by
+sustains (75% of the channels' peak, what STREAM reaches on desktop and server parts). That usable share is
+all the DRAM gives anyone: the link's copies from pinned memory read the same DRAM, and share it with the host's
+math (offload/memory_bus.py; `dram_bytes_per_second`). Prefill is bound by
 the cores' vector (or AMX) throughput. Peaks: DDR4-3200 is 25.6 GB/s per channel, DDR5-4800 38.4, DDR5-5600
 44.8; fp32 FMA throughput = cores x clock x FLOPs per cycle (AVX2: 32, AVX-512: 64; AMX bf16: 1024).
 """
@@ -12,7 +14,9 @@ from dataclasses import dataclass
 
 HOST_MEMORY_EFFICIENCY = 0.75
 HOST_FLOP_EFFICIENCY = 0.5
-HOST_DISPATCH_S = 10e-6  # one expert job handed to the worker threads and gathered
+# The engine's host path per MoE layer with host work: its jobs handed to the workers in one go, gathered and
+# merged (offload/host_path.py, at one token; `hintserve bench offload` reports it). Paid on the compute side.
+HOST_PATH_S = 60e-6
 
 
 @dataclass(frozen=True)
@@ -22,11 +26,16 @@ class HostProfile:
     memory_gbps: float  # DRAM peak, GB/s
     cores: int
     tflops: float  # peak of the host's fastest path for expert math, TFLOP/s
+    dram_share: float = HOST_MEMORY_EFFICIENCY  # of the peak, what all the DRAM's readers together get
+
+    @property
+    def dram_bytes_per_second(self) -> float:
+        return self.memory_gbps * 1e9 * self.dram_share
 
     def expert_seconds(self, expert_bytes: int, expert_params: int, tokens: int) -> float:
         memory = expert_bytes / (self.memory_gbps * 1e9 * HOST_MEMORY_EFFICIENCY)
         compute = 2 * tokens * expert_params / (self.tflops * 1e12 * HOST_FLOP_EFFICIENCY)
-        return max(memory, compute) + HOST_DISPATCH_S
+        return max(memory, compute)
 
 
 HOSTS: dict[str, HostProfile] = {

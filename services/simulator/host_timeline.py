@@ -1,54 +1,70 @@
 """The host's timeline in a simulation: the engine's HostExecutor without threads.
 
 A host job starts when the compute side hands it over (or when the host finishes what it already holds)
-and takes the cost model's host price for its tokens; the compute side stalls only when it gathers a job
-that has not finished. The placement reads the same prices (Fiddler's rule, as the engine's start-up
+and takes the cost model's host price for its tokens while it has the DRAM to itself; it reads the expert's
+bytes from the DRAM the link's copies read too (offload/memory_bus.py), so while both run each goes slower.
+The compute side stalls only when it gathers a job that has not finished. The placement reads the same prices (Fiddler's rule, as the engine's start-up
 measurement feeds it).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from services.engine.offload.cost_model import PROBE_TOKENS, PlacementCosts
+from services.engine.offload.memory_bus import HOST_LANE, BusJob
 from services.engine.offload.stats import OffloadStats
 from services.simulator.hardware import CostModel
-from services.simulator.timeline import SimClock
-
-
-class SimHostJob:
-    def __init__(self, done_at: float) -> None:
-        self.done_at = done_at
+from services.simulator.timeline import SimClock, SimTransferEngine
 
 
 class SimHostExecutor:
-    def __init__(self, cost: CostModel, clock: SimClock, stats: OffloadStats) -> None:
+    def __init__(
+        self, cost: CostModel, clock: SimClock, stats: OffloadStats, transfers: SimTransferEngine, expert_bytes: int
+    ) -> None:
         self.cost = cost
         self.clock = clock
         self.stats = stats
-        self.free_at = 0.0
-        self.busy_seconds = 0.0
+        self.transfers = transfers  # its copy engine shares the DRAM (transfers.bus)
+        self.bus = transfers.bus
+        self.expert_bytes = expert_bytes
         self.blocked = 0.0  # compute stalled gathering host results
 
-    def submit(self, weights: object, x: torch.Tensor, activation: bool = False, share: float = 1.0) -> SimHostJob:
+    def submit(self, weights: object, x: torch.Tensor, activation: bool = False, share: float = 1.0) -> BusJob:
         tokens = x.shape[0]
         seconds = share * self.cost.host_expert_seconds(tokens)
         self.stats.host_split_experts += activation
-        self.free_at = max(self.clock.now, self.free_at) + seconds
-        self.busy_seconds += seconds
+        self.transfers.advance()  # the chunks the link starts before now are on the DRAM first
+        nbytes = share * self.expert_bytes
+        job = self.bus.add(HOST_LANE, nbytes, nbytes / seconds, self.clock.now)
         self.stats.host_experts += 1
         self.stats.host_tokens += tokens
         self.stats.host_busy_seconds += seconds
-        return SimHostJob(self.free_at)
+        return job
+
+    def flush(self) -> None:
+        """The layer's jobs started as they were submitted (the hand-off's cost: HOST_PATH_S, priced per layer)."""
 
     def backlog_seconds(self) -> float:
-        return max(0.0, self.free_at - self.clock.now)
+        last = self.bus.last(HOST_LANE)
+        return 0.0 if last is None else max(0.0, self.bus.finish(last) - self.clock.now)
 
-    def gather(self, job: SimHostJob) -> None:
-        if job.done_at > self.clock.now:
-            self.blocked += job.done_at - self.clock.now
-            self.clock.blocked += job.done_at - self.clock.now
-            self.clock.now = job.done_at
+    def gather(self, job: BusJob) -> None:
+        """Compute stalls until `job` is done. Nothing is submitted meanwhile, so the copy engine runs ahead to
+        the projected finish; each chunk it starts before then slows the job, and the finish is projected again."""
+        done = self.bus.finish(job)
+        while done > self.clock.now:
+            self.transfers.advance(done)
+            later = self.bus.finish(job)
+            if later <= done:
+                break
+            done = later
+        if done > self.clock.now:
+            self.blocked += done - self.clock.now
+            self.clock.blocked += done - self.clock.now
+            self.clock.now = done
 
     def shutdown(self) -> None:
         pass
@@ -57,11 +73,12 @@ class SimHostExecutor:
 def placement_costs(cost: CostModel, expert_bytes: int) -> PlacementCosts:
     """The prices the engine measures at start-up, read off the simulator's cost model."""
     ends = (1, PROBE_TOKENS)
-    return PlacementCosts.fit(
+    costs = PlacementCosts.fit(
         tuple(cost.expert_seconds(n) for n in ends),  # type: ignore[arg-type]
         tuple(cost.host_expert_seconds(n) for n in ends),  # type: ignore[arg-type]
         expert_bytes / cost.link_bytes_per_second,
     )
+    return replace(costs, dram=cost.dram_bytes_per_second(expert_bytes), host_bytes=expert_bytes, link_bytes=expert_bytes)
 
 
 def token_slice(tokens: int) -> torch.Tensor:

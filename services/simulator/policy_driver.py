@@ -9,6 +9,7 @@ reason, instead of being approximated.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -26,6 +27,7 @@ from services.engine.offload.hybrid_setup import (
     pinned_experts,
     planned_split,
 )
+from services.engine.offload.memory_bus import MemoryBus
 from services.engine.offload.policies import OffloadPolicy
 from services.engine.offload.prefetch.hints import HintPrefetcher, HintStats
 from services.engine.offload.provider import OffloadedExpertProvider
@@ -157,7 +159,9 @@ def build_offload(
     stats = stats_type(spec.num_layers, slots_total=slots, expert_bytes=spec.expert_bytes)
     evict = make_eviction(settings, spec)  # MoEModelSpec is an ExpertGeometry
     prefetchers = make_prefetchers(settings, router_spec, weights, stats)  # type: ignore[arg-type]
-    transfers = SimTransferEngine(SimLink(link_bytes_per_second), stats, clock, spec.expert_chunk_bytes)
+    # One DRAM: the link's copies and the host's expert math read it together (offload/memory_bus.py).
+    dram = MemoryBus(cost.dram_bytes_per_second(spec.expert_bytes) if cost is not None else math.inf)
+    transfers = SimTransferEngine(SimLink(link_bytes_per_second), stats, clock, spec.expert_chunk_bytes, dram)
     expert_cache = ExpertCache(settings.slots, PLACEHOLDER_LAYOUT, torch.float32, "cpu", evict)
     store = SimStore(spec.expert_bytes)  # duck-types HostExpertStore
     parts = (store, expert_cache, transfers, prefetchers, policy.rules, stats)
@@ -166,7 +170,7 @@ def build_offload(
         provider = OffloadedExpertProvider(*parts, stream_slots=spec.top_k)  # type: ignore[arg-type]
     else:
         assert cost is not None, "hybrid policies price the host: pass the cost model"
-        host = SimHostExecutor(cost, clock, stats)
+        host = SimHostExecutor(cost, clock, stats, transfers, spec.expert_bytes)
         provider = HybridExpertProvider(
             *parts, stream_slots=spec.top_k, executor=host, pinned=pinned, prefetch_floor=policy.prefetch_floor,
             prefetch_depth=policy.prefetch_depth, split_staging=staging,

@@ -16,12 +16,19 @@ HEADERS = (
     "blocking ms/tok",
     "link busy",
     "peak GB",
+    "bound ms",
+    "of bound",
+    "of static",
     "note",
 )
 
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.3g}" if value < 10 else f"{value:.1f}"
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def table(rows: list[dict]) -> str:
@@ -38,6 +45,9 @@ def table(rows: list[dict]) -> str:
                 f"{r['blocking_ms_per_token']:.1f}",
                 f"{r['link_busy_share']:.0%}",
                 f"{r['peak_memory_gb']:.3g}",
+                _ms(r.get("bound_tpot_ms")),
+                _share(r.get("of_bound")),
+                _share(r.get("of_static_bound")),
                 r["note"],
             )
             for r in rows

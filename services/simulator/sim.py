@@ -8,12 +8,16 @@ stalls the clock until its transfer has landed, then its compute is added; end_l
 
 from __future__ import annotations
 
+import functools
 import statistics
 from dataclasses import dataclass, field
 
+from services.engine.offload.memory_bus import contended_seconds
 from services.engine.offload.policies import OffloadPolicy
 from services.engine.step_context import Phase
+from services.simulator.bound import Bound
 from services.simulator.hardware import CostModel
+from services.simulator.host import HOST_PATH_S
 from services.simulator.host_timeline import token_slice
 from services.simulator.policy_driver import SimOffload, build_offload
 from services.simulator.timeline import SimClock
@@ -41,6 +45,10 @@ class SimResult:
     decode_tokens: int
     host_experts_per_token: float = 0.0  # decode: experts computed on the host (hybrid policies)
     host_busy_share: float = 0.0  # of the decode time, the host computed experts this much
+    bound_tpot_ms: float | None = None  # the physical bound of this configuration (simulator/bound.py)
+    of_bound: float | None = None  # this run's decode speed as a share of the bound's (<= 1)
+    static_bound_tpot_ms: float | None = None  # the best fixed placement's figure (not a bound)
+    of_static_bound: float | None = None
     note: str = ""
 
 
@@ -138,8 +146,10 @@ def simulate(
     hint_latency_s: float = 2e-3,
     eviction: str | None = None,
     warmup_steps: int = 0,
+    bounds: tuple[Bound, Bound] | None = None,
 ) -> SimResult:
-    """One run; the first `warmup_steps` steps fill the cache and are left out of every figure."""
+    """One run; the first `warmup_steps` steps fill the cache and are left out of every figure. `bounds`:
+    this configuration's (bound, static placement figure), simulator/bound.py."""
     spec = workload.spec
     clock = SimClock()
     resident = policy.name == "resident"
@@ -166,7 +176,13 @@ def simulate(
         _run_step(workload, step, cost, clock, offload, log)
         if step.index >= warmup_steps:
             log.record(step, before, Snapshot.take(clock, offload))
-    return _result(policy, workload, slots, log, offload)
+    result = _result(policy, workload, slots, log, offload)
+    decode = log.totals[Phase.DECODE].seconds
+    if bounds is not None and decode > 0:
+        bound, static = bounds
+        result.bound_tpot_ms, result.of_bound = bound.tpot_ms, bound.seconds / decode
+        result.static_bound_tpot_ms, result.of_static_bound = static.tpot_ms, static.seconds / decode
+    return result
 
 
 def _run_step(
@@ -184,8 +200,9 @@ def _run_step(
         ctx.layer_observers = offload.layer_observers
     shape = step.shape
     log.peak_kv_tokens = max(log.peak_kv_tokens, shape.kv_tokens)
+    device = functools.partial(_device_seconds, cost, offload, step.phase is Phase.DECODE)
     for layer in range(spec.num_layers):
-        clock.now += cost.layer_seconds(layer, shape)
+        clock.now += device(cost.layer_seconds(layer, shape))
         if not spec.moe_layers[layer]:
             continue
         tokens_of = workload.route(step, layer, ctx)
@@ -202,13 +219,15 @@ def _run_step(
         for expert in plan.device:
             log.peak_slots = max(log.peak_slots, provider.cache.num_occupied)
             provider.get(layer, expert)  # stalls the clock until the expert has landed
-            clock.now += cost.expert_seconds(tokens_of[expert])
+            clock.now += device(cost.expert_seconds(tokens_of[expert]))
         for expert, job in halves:  # the device applies down once both the activation and down are there
             offload.host.gather(job)  # type: ignore[union-attr]
             provider.get_down(layer, expert)
-            clock.now += provider.split_prices.device * cost.expert_seconds(tokens_of[expert])  # type: ignore
+            clock.now += device(provider.split_prices.device * cost.expert_seconds(tokens_of[expert]))  # type: ignore
         for job in on_host:
             offload.host.gather(job)  # type: ignore[union-attr]  # stalls until the host has finished it
+        if on_host or halves:
+            clock.now += HOST_PATH_S  # handing the jobs over, gathering and merging them
         log.peak_slots = max(log.peak_slots, provider.cache.num_occupied)
         provider.end_layer(layer, ctx)
     if provider is not None:
@@ -216,6 +235,15 @@ def _run_step(
         for observe in offload.step_observers:  # type: ignore[union-attr]
             observe(ctx)
     clock.now += cost.head_seconds(shape)
+
+
+def _device_seconds(cost: CostModel, offload: SimOffload | None, decode: bool, seconds: float) -> float:
+    """A device kernel's time: decode's kernels are memory-bound, and share the device's memory with the chunk
+    landing meanwhile (offload/memory_bus.py)."""
+    if offload is None or not decode or not offload.transfers.busy():
+        return seconds
+    landing = offload.transfers.link.bytes_per_second  # type: ignore[attr-defined]
+    return contended_seconds(seconds, cost.device_memory_bytes_per_second, [landing])
 
 
 def _result(

@@ -11,6 +11,7 @@ from tqdm import tqdm
 from services.engine.offload.hybrid_setup import is_hybrid
 from services.engine.offload.policies import OffloadPolicy
 from services.engine.offload.settings import GB, resolve_slots
+from services.simulator.bound import Bound, simulated_bounds
 from services.simulator.hardware import CostModel, HardwareProfile
 from services.simulator.model_specs import MoEModelSpec
 from services.simulator.policy_driver import not_simulable
@@ -69,10 +70,14 @@ def run_sweep(
     path = os.path.join(tempfile.mkdtemp(prefix="hintserve-sim-"), "routing.json")
     workload.routing_trace().save(path)  # what the oracle and Belady replay, as in the engine
     rows = []
+    bounds: dict[float | None, tuple[Bound, Bound]] = {}  # per budget: one configuration, every policy
     for policy, budget in tqdm(runs, desc="simulate", unit="run", disable=not progress):
         slots = slots_for(spec, budget) if budget is not None else 0
+        if budget not in bounds:
+            bounds[budget] = simulated_bounds(workload, cost, slots if budget is not None else None, warmup_steps)
         result = simulate(
-            workload, policy, cost, slots, path, prefetch_distance, hint_latency_s, eviction, warmup_steps
+            workload, policy, cost, slots, path, prefetch_distance, hint_latency_s, eviction, warmup_steps,
+            bounds[budget],
         )
         row = asdict(result)
         row["note"] = notes.get(policy.name, "")

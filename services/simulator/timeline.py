@@ -4,7 +4,8 @@
 heap order (demand before prefetch, prefetch by priority, FIFO), one chunk per turn, promotion and
 cancellation rules; only the chunks move on a simulated copy-engine timeline. The copy engine is advanced
 lazily to the compute clock before anything looks at it, so every decision it takes at a chunk boundary
-sees exactly the transfers submitted before that moment.
+sees exactly the transfers submitted before that moment. Each chunk reads the host's DRAM, which the host's
+expert math reads too (`bus`, offload/memory_bus.py): a chunk's end is its projection on that shared memory.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from services.engine.offload.link import Link, ReadyEvent
+from services.engine.offload.memory_bus import LINK_LANE, BusJob, MemoryBus
 from services.engine.offload.stats import OffloadStats
 from services.engine.offload.transfer_engine import Transfer, TransferEngine, TransferState
 
@@ -66,15 +68,16 @@ class SimLink(Link):
 
 class SimTransferEngine(TransferEngine):
     def __init__(
-        self, link: SimLink, stats: OffloadStats, clock: SimClock, chunk_bytes: tuple[int, ...]
+        self, link: SimLink, stats: OffloadStats, clock: SimClock, chunk_bytes: tuple[int, ...], bus: MemoryBus
     ) -> None:
         super().__init__(link, stats)
         TransferEngine.shutdown(self)  # no worker thread: chunks move on the simulated copy-engine timeline
         self.clock = clock
         self.chunk_bytes = chunk_bytes
+        self.bus = bus
         self.busy_seconds = 0.0
         self._free_at = 0.0  # when the copy engine finishes its current chunk (or went idle)
-        self._active: tuple[Transfer, float, bool, int] | None = None  # transfer, end time, demand, bytes
+        self._active: tuple[Transfer, BusJob, bool, int] | None = None  # transfer, its chunk, demand, bytes
         link.engine = self
 
     # ---- TransferEngine's interface, each first bringing the copy engine up to the compute clock ----
@@ -97,12 +100,18 @@ class SimTransferEngine(TransferEngine):
         pass
 
     # ---- the copy-engine timeline ----
-    def advance(self) -> None:
-        """Runs the copy engine up to the compute clock's now."""
-        until = self.clock.now
+    def busy(self) -> bool:
+        """Whether a chunk is on the link now (landing in device memory)."""
+        self.advance()
+        return self._active is not None
+
+    def advance(self, until: float | None = None) -> None:
+        """Runs the copy engine up to `until` (default the compute clock's now; later only while compute
+        stalls, so nothing is submitted before then)."""
+        until = self.clock.now if until is None else until
         while True:
             if self._active is not None:
-                if self._active[1] > until:
+                if self.bus.finish(self._active[1]) > until:
                     return
                 self._finish()
                 continue
@@ -131,14 +140,15 @@ class SimTransferEngine(TransferEngine):
     def _start(self, transfer: Transfer) -> None:
         nbytes = self.chunk_bytes[transfer.chunk_offset + transfer.next_chunk]
         transfer.state = TransferState.ACTIVE
-        end = self._free_at + nbytes / self.link.bytes_per_second
-        self._active = (transfer, end, transfer.demand, nbytes)
+        rate = self.link.bytes_per_second  # type: ignore[attr-defined]
+        self._active = (transfer, self.bus.add(LINK_LANE, nbytes, rate, self._free_at), transfer.demand, nbytes)
 
     def _finish(self) -> None:
-        transfer, end, demand, nbytes = self._active  # type: ignore[misc]
+        transfer, chunk, demand, nbytes = self._active  # type: ignore[misc]
         self._active = None
+        end = self.bus.finish(chunk)
+        self.busy_seconds += end - chunk.ready_at
         self._free_at = end
-        self.busy_seconds += nbytes / self.link.bytes_per_second
         if demand:
             self.stats.bytes_demand += nbytes
         else:

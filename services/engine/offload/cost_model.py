@@ -31,6 +31,11 @@ class PlacementCosts:
     host_first: float
     host_per_token: float
     link: float
+    # One DRAM (offload/memory_bus.py): bytes/s the host's math and the link's copies share, and what one expert
+    # reads from it on each side; inf: not modelled (a real host: its DRAM is not measured).
+    dram: float = float("inf")
+    host_bytes: float = 1.0
+    link_bytes: float = 1.0
 
     def device(self, tokens: int) -> float:
         return self.device_first + self.device_per_token * (tokens - 1)

@@ -7,10 +7,14 @@ GIL inside its ops, so host jobs overlap the device's compute of cached experts.
 
 On a CPU-only machine the "device" and the host are the same cores, so the executor emulates the host the
 way `EmulatedLink` emulates the link: the math is real, and the job is ready when the emulated host would
-have finished it, `host_ratio` times the measured device time for the same work, on one virtual clock
-(the host's memory bandwidth is one shared resource: a busy host queues work, whatever the thread count).
-The thread that gathers the job holds itself until then (link.hold_until), as it does for a transfer: a
-worker that slept until the finish and then handed the result over was 70-110 us late (measured).
+have finished it, `host_ratio` times the measured device time for the same work alone, on the DRAM it
+shares with the emulated link (offload/memory_bus.py: a busy host queues work, whatever the thread count, and
+a copy running beside it slows it). The thread that gathers the job holds itself until then
+(link.hold_until_settled), as it does for a transfer: a worker that slept until the finish and then handed
+the result over was 70-110 us late (measured).
+
+A layer's jobs are handed to the workers together (`flush`, called by the provider once the layer's host work
+is submitted): one thread wake-up per layer, not one per expert.
 
 On CUDA the rows leave the device from the submitting thread, into pinned memory, on the compute stream before
 the layer's device experts are queued behind it (the worker only waits for that copy's event), and the output
@@ -19,7 +23,7 @@ goes back from pinned memory without a host sync on the compute thread.
 
 from __future__ import annotations
 
-import threading
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,54 +32,69 @@ import torch
 
 from services.engine.expert_provider import ExpertWeights
 from services.engine.models.moe import expert_activation, expert_forward
-from services.engine.offload.link import hold_until
+from services.engine.offload.link import hold_until_settled
+from services.engine.offload.memory_bus import HOST_LANE, BusJob, MemoryBus
 from services.engine.offload.stats import OffloadStats
 
 
 class HostJob:
     """One host expert's output: there once its math is done and, emulated, its host time has passed."""
 
-    __slots__ = ("_future", "ready_at")
+    __slots__ = ("_future", "_executor", "_bus_job")
 
-    def __init__(self, future: Future[torch.Tensor], ready_at: float) -> None:
-        self._future = future
-        self.ready_at = ready_at  # perf_counter seconds; 0 on a real host
+    def __init__(self, executor: HostExecutor, bus_job: BusJob | None) -> None:
+        self._future: Future[torch.Tensor] = Future()
+        self._executor = executor
+        self._bus_job = bus_job  # emulated: its share of the DRAM; None on a real host
+
+    @property
+    def ready_at(self) -> float:
+        """perf_counter seconds the emulated host finishes it (0 on a real host): a projection on the shared
+        DRAM, which a copy the link starts later can push back."""
+        return 0.0 if self._bus_job is None else self._executor.bus.finish(self._bus_job)  # type: ignore[union-attr]
 
     def result(self) -> torch.Tensor:
+        self._executor.flush()  # gathered before its layer's hand-off (no provider flushed): hand it off now
         y = self._future.result()
-        hold_until(self.ready_at)
+        if self._bus_job is not None:
+            hold_until_settled(lambda: self.ready_at)
         return y
 
 
 class HostExecutor:
     def __init__(
-        self, threads: int, stats: OffloadStats, emulated_seconds: Callable[[int], float] | None = None
+        self, threads: int, stats: OffloadStats, emulated_seconds: Callable[[int], float] | None = None,
+        bus: MemoryBus | None = None, expert_bytes: float = 1.0,
     ) -> None:
-        """`emulated_seconds(tokens)`: how long the emulated host takes for one expert; None: real host."""
+        """`emulated_seconds(tokens)`: how long the emulated host takes for one expert alone on the DRAM (None: a
+        real host), reading `expert_bytes` from `bus`, the DRAM it shares with the emulated link
+        (offload/memory_bus.py; None: its own, shared with no one)."""
         if threads < 1:
             raise ValueError(f"host_threads must be at least 1, got {threads}")
         self.stats = stats
+        self.threads = threads
+        self.bus = bus if bus is not None or emulated_seconds is None else MemoryBus(math.inf)
+        self.expert_bytes = expert_bytes
         self._emulated_seconds = emulated_seconds
         # No torch.set_num_threads in the workers: it is process-wide, and set from a worker it left the
         # compute thread's small parallel ops (decode attention's softmax) taking milliseconds each.
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="hintserve-host")
-        self._lock = threading.Lock()
-        self._busy_until = 0.0  # emulation: when the virtual host finishes its queued work
+        self._batch: list[tuple] = []  # this layer's jobs, handed to the workers together by flush()
 
     def submit(
         self, weights: ExpertWeights, x: torch.Tensor, activation: bool = False, share: float = 1.0
     ) -> HostJob:
         """The expert's output on x's device; `activation`: only its gate/up half (a split expert), which
-        takes `share` of the whole expert's time."""
+        takes `share` of the whole expert's time. It starts at `flush` (the layer's one hand-off), on the
+        emulated host's clock from now."""
         self.stats.host_experts += 1
         self.stats.host_tokens += x.shape[0]
         self.stats.host_split_experts += activation
-        finish = 0.0
+        bus_job = None
         if self._emulated_seconds is not None:
             seconds = share * self._emulated_seconds(x.shape[0])
-            with self._lock:
-                start = max(time.perf_counter(), self._busy_until)
-                self._busy_until = finish = start + seconds
+            nbytes = share * self.expert_bytes
+            bus_job = self.bus.add(HOST_LANE, nbytes, nbytes / seconds, time.perf_counter())  # type: ignore[union-attr]
             self.stats.host_busy_seconds += seconds
         staged, copied = x, None
         if x.is_cuda:
@@ -83,12 +102,30 @@ class HostExecutor:
             staged.copy_(x, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record()
-        job = self._pool.submit(self._run, weights, staged, copied, x.device, finish == 0.0, activation)
-        return HostJob(job, finish)
+        job = HostJob(self, bus_job)
+        self._batch.append((job, weights, staged, copied, x.device, bus_job is None, activation))
+        return job
+
+    def flush(self) -> None:
+        """Hands the jobs submitted since the last flush to the workers: one hand-off per worker thread, not
+        one per expert (each cost a thread wake-up; measured: offload/host_path.py)."""
+        if not self._batch:
+            return
+        batch, self._batch = self._batch, []
+        for i in range(min(self.threads, len(batch))):
+            self._pool.submit(self._run_batch, batch[i :: self.threads])
 
     def backlog_seconds(self) -> float:
         """Emulated work queued ahead of a job submitted now (0 on a real host: not tracked)."""
-        return max(0.0, self._busy_until - time.perf_counter())
+        last = self.bus.last(HOST_LANE) if self.bus is not None else None
+        return 0.0 if last is None else max(0.0, self.bus.finish(last) - time.perf_counter())  # type: ignore
+
+    def _run_batch(self, batch: list[tuple]) -> None:
+        for job, *args in batch:
+            try:
+                job._future.set_result(self._run(*args))
+            except BaseException as e:  # the MoE layer gathering it re-raises
+                job._future.set_exception(e)
 
     def _run(
         self, weights: ExpertWeights, x: torch.Tensor, copied: torch.cuda.Event | None, device: torch.device,

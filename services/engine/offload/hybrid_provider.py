@@ -21,6 +21,8 @@ from services.engine.offload.split_experts import DownStaging
 from services.engine.offload.transfer_engine import Transfer
 from services.engine.step_context import StepContext
 
+QUIET_AFTER_STEPS = 4  # decode steps without a miss before the per-step machinery stops
+
 
 class Landed(ReadyEvent):
     """A pinned expert copied at start-up, before serving."""
@@ -60,12 +62,18 @@ class HybridExpertProvider(OffloadedExpertProvider):
         self._hot_missing: list[Key] = []  # hot-set experts not cached, as of the last step end
         self.gate = None
         if self.costs is not None and prefetch_depth > 0:
-            self.gate = PrefetchGate(self._saving_per_hit(), self._copy_cpu_seconds(), clock=clock)
+            self.gate = PrefetchGate(self._saving_per_hit(), self._copy_cpu_seconds() + self._copy_dram_seconds(),
+                                     clock=clock)
         # What the gate is told: which prefetcher filled each prefetched slot, and which evicted each
         # recent victim (a miss on one is a hit that prefetcher displaced); None: the hot-set fill.
         self._asking: int | None = None
         self._issuer: dict[int, int | None] = {}  # slot index -> id(prefetcher)
         self._fetched_peak = 0  # most misses one layer of this step fetched whole
+        # Quiet: the cache has held every expert decode asked for these last steps, so the per-step machinery
+        # (prefetch planning and its gate, the hot-set fill and bookkeeping) has nothing to save; it stops until
+        # a miss returns (the layer that misses turns it back on).
+        self._clean_steps = 0  # decode steps in a row without a miss
+        self._step_missed = False
         self._ghosts: dict[int, dict[int, int]] = {}  # layer -> expert a prefetch evicted -> id(prefetcher)
         self.pinned = set(pinned)
         for key in pinned:
@@ -74,14 +82,26 @@ class HybridExpertProvider(OffloadedExpertProvider):
     def begin_layer(
         self, layer: int, experts: list[int], ctx: StepContext, tokens: list[int] | None = None
     ) -> LayerPlan:
-        owed = self._settle_guesses(layer, experts) if self.gate is not None and not ctx.is_prefill else ()
+        quiet = self.quiet
+        owed = self._settle_guesses(layer, experts) if self.gate is not None and not ctx.is_prefill and not quiet else ()
         plan = super().begin_layer(layer, experts, ctx, tokens)
+        slots = [self.cache.lookup((layer, e)) for e in plan.device]
+        if plan.host or plan.split or any(slot is None or slot.loading for slot in slots):
+            self._step_missed = True
+            self._clean_steps = 0  # a miss: the machinery is back from this layer on
         for expert, issuer, ready in owed:
             if expert in plan.device:  # computed on the device: the guess saved a miss (some of it, if late)
                 self.gate.credit(issuer, 1.0 if ready else 0.5)  # type: ignore[union-attr]
         return plan
 
+    @property
+    def quiet(self) -> bool:
+        return self.prefetch_depth > 0 and self._clean_steps >= QUIET_AFTER_STEPS
+
     def dispatched(self, layer: int, ctx: StepContext) -> None:
+        self.executor.flush()  # the layer's host jobs in one hand-off, before any planning
+        if self.quiet and not ctx.is_prefill:
+            return
         super().dispatched(layer, ctx)
         self._asking = None  # the prefetchers asked in super() are done; the hot-set fill is nobody's guess
         if self._hot_missing and not ctx.is_prefill:
@@ -113,6 +133,13 @@ class HybridExpertProvider(OffloadedExpertProvider):
             self._ghosts.setdefault(layer, {})[expert] = self._asking
 
     def end_step(self, ctx: StepContext) -> None:
+        if not ctx.is_prefill:
+            self._clean_steps = 0 if self._step_missed else self._clean_steps + 1
+            self._step_missed = False
+            if self.quiet:
+                self.stats.quiet_steps += 1
+                self.stats.slots_occupied = self.cache.num_occupied
+                return  # the hot set and the guesses' trackers keep their state until misses return
         reserve = getattr(self.cache.eviction, "reserve", None)
         if reserve is not None and self.gate is not None and not ctx.is_prefill:
             # Slots beside the hot set: the link's prefetches while the gate asks for any, and the slots this
@@ -234,6 +261,12 @@ class HybridExpertProvider(OffloadedExpertProvider):
         """What a guess that lands saves on one token: the miss's cheapest other side, less the device."""
         miss = min(self.costs.host(1), self.placement.split_seconds(1))  # type: ignore[union-attr,attr-defined]
         return max(0.0, miss - self.costs.device(1))  # type: ignore[union-attr]
+
+    def _copy_dram_seconds(self) -> float:
+        """The host's time one expert's copy takes from it: its bytes on the DRAM the host's math reads too (one
+        DRAM, offload/memory_bus.py; the host's GEMV alone takes all of it), 0 where the DRAM is not modelled."""
+        dram = self.costs.dram  # type: ignore[union-attr]
+        return 0.0 if dram == float("inf") else self.costs.link_bytes / dram  # type: ignore[union-attr]
 
     def _copy_cpu_seconds(self) -> float:
         """Compute-side seconds one expert's transfer takes: the memcpy of an emulated link (the copy

@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import sys
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
+
+from services.engine.offload.memory_bus import LINK_LANE, BusJob, MemoryBus
 
 
 class ReadyEvent(ABC):
@@ -37,23 +41,29 @@ class ReadyEvent(ABC):
 
 
 class ThreadEvent(ReadyEvent):
-    """Set by the transfer worker once the data is copied; ready from `ready_at` on (an emulated link's
-    landing time; 0: as soon as it is set)."""
+    """Set by the transfer worker once the data is copied; ready from `ready_at()` on (an emulated link's
+    landing time, a projection that may move later while the DRAM is shared; None: as soon as it is set)."""
 
     def __init__(self) -> None:
         self._event = threading.Event()
-        self.ready_at = 0.0
+        self._ready_at: Callable[[], float] | None = None
 
-    def set(self, ready_at: float = 0.0) -> None:
-        self.ready_at = ready_at
+    def set(self, ready_at: Callable[[], float] | None = None) -> None:
+        self._ready_at = ready_at
         self._event.set()
+
+    @property
+    def ready_at(self) -> float:
+        """perf_counter seconds it lands, as projected now (0: as soon as it is set)."""
+        return 0.0 if self._ready_at is None else self._ready_at()
 
     def is_ready(self) -> bool:
         return self._event.is_set() and time.perf_counter() >= self.ready_at
 
     def wait(self) -> None:
         self._event.wait()
-        hold_until(self.ready_at)
+        if self._ready_at is not None:
+            hold_until_settled(self._ready_at)
 
     def synchronize(self) -> None:
         self.wait()
@@ -85,7 +95,9 @@ class Link(ABC):
 
 
 class EmulatedLink(Link):
-    """A link of `bytes_per_second`, emulated in wall-clock time on the worker thread."""
+    """A link of `bytes_per_second`, emulated in wall-clock time on the worker thread. Its copies read the
+    host's DRAM: `bus` (offload/memory_bus.py), shared with an emulated host's expert math where setup gives
+    one; its own otherwise, with no one to share it."""
 
     name = "emulated"
 
@@ -93,31 +105,32 @@ class EmulatedLink(Link):
         if bytes_per_second <= 0:
             raise ValueError(f"link bandwidth must be positive, got {bytes_per_second}")
         self.bytes_per_second = bytes_per_second
-        self._busy_until = 0.0
+        self.bus = MemoryBus(math.inf)
+        self._last: BusJob | None = None  # the last chunk copied
 
     def wait_free(self) -> None:
-        delay = self._busy_until - time.perf_counter()
-        if delay > 0:
+        while (delay := self.busy_until - time.perf_counter()) > 0:  # a shared DRAM may push it back
             time.sleep(delay)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, *, issued_at: float = 0.0) -> None:
-        # A copy engine takes a transfer up when it is issued, or when its previous copy ends: the worker
-        # thread's own wake-up (~70 us here) and its turn between chunks are not the link's time. (`issued_at`
-        # 0: from now.)
-        start = max(issued_at or time.perf_counter(), self._busy_until)
-        self._busy_until = start + src.numel() * src.element_size() / self.bytes_per_second
+        # A copy engine takes a transfer up when it is issued, or when its previous copy ends (the bus's lane
+        # runs one chunk at a time): the worker thread's own wake-up (~70 us here) and its turn between chunks
+        # are not the link's time. (`issued_at` 0: from now.)
+        nbytes = src.numel() * src.element_size()
+        self._last = self.bus.add(LINK_LANE, nbytes, self.bytes_per_second, issued_at or time.perf_counter())
         dst.copy_(src)
 
     @property
     def busy_until(self) -> float:
-        """When the last chunk copied lands (perf_counter seconds)."""
-        return self._busy_until
+        """When the last chunk copied lands (perf_counter seconds), as far as the DRAM's readers so far tell."""
+        return 0.0 if self._last is None else self.bus.finish(self._last)
 
     def new_event(self) -> ReadyEvent:
         return ThreadEvent()
 
     def complete(self, event: ReadyEvent) -> None:
-        event.set(ready_at=self._busy_until)  # type: ignore[attr-defined]
+        chunk, bus = self._last, self.bus
+        event.set(ready_at=lambda: bus.finish(chunk))  # type: ignore[attr-defined,arg-type]
 
 
 _PR_SET_TIMERSLACK = 29
@@ -133,6 +146,13 @@ def precise_sleeps() -> None:
 
 _SPIN_SECONDS = 1e-4  # a precise sleep overshoots by 35 us (median) to 95 us (worst of hundreds) here
 _precise = threading.local()
+
+
+def hold_until_settled(deadline: Callable[[], float]) -> None:
+    """hold_until a deadline that may move later meanwhile (a projection on a shared memory: a job started
+    while this one runs slows it)."""
+    while (at := deadline()) > time.perf_counter():
+        hold_until(at)
 
 
 def hold_until(deadline: float) -> None:

@@ -14,7 +14,7 @@ from services.engine.offload.provider import PhaseRules
 class OffloadPolicy:
     name: str
     description: str
-    eviction: str = "lru"
+    eviction: str = "lru-global"
     prefetchers: tuple[str, ...] = ()
     rules: PhaseRules = field(default_factory=PhaseRules)
     needs_trace: bool = False  # replays a routing trace recorded from an identical earlier run
@@ -39,9 +39,13 @@ POLICIES: dict[str, OffloadPolicy] = {
         ),
         OffloadPolicy("layer", "fetch every expert of the next layer (DeepSpeed-Inference / MoESys)",
                       prefetchers=("layer",)),
-        OffloadPolicy("lru", "LRU expert cache, all misses queued right after the router (Mixtral-Offloading)"),
-        OffloadPolicy("speculative", "LRU + the next layers' routers applied to this layer's hidden state",
-                      prefetchers=("speculative",)),
+        OffloadPolicy("lru", "per-layer LRU slots (each MoE layer its share of the cache), all misses queued right "
+                      "after the router, resident experts computed first (Mixtral-Offloading)", eviction="lru"),
+        OffloadPolicy("lru-global", "one LRU over every layer's slots, all misses queued right after the router",
+                      eviction="lru-global"),
+        OffloadPolicy("speculative", "per-layer LRU slots + the next layers' routers applied to this layer's "
+                      "hidden state (Mixtral-Offloading's speculative expert loading)",
+                      eviction="lru", prefetchers=("speculative",)),
         OffloadPolicy("duoserve", "prefill streamed through top-k slots + decode affinity prefetch (DuoServe)",
                       prefetchers=("affinity",), rules=PhaseRules(stream_prefill=True)),
         OffloadPolicy("oracle", "perfect prefetch + Belady replacement from a recorded routing trace (the bound)",
@@ -50,8 +54,9 @@ POLICIES: dict[str, OffloadPolicy] = {
                       eviction="belady", needs_trace=True),
         OffloadPolicy("moe-infinity", "EAM cache priority + prefetch hints from the predictor's EAMC (MoE-Infinity)",
                       eviction="eam", prefetchers=("hints",), predictor="eamc"),
-        OffloadPolicy("promoe", "LRU + skip-gate stride prefetch, demand chunks overtake prefetches (ProMoE)",
-                      prefetchers=("speculative",)),
+        OffloadPolicy("promoe", "per-layer LRU slots + stride prefetch, demand chunks overtake prefetches (ProMoE; "
+                      "the skip-gate stands in for its learned per-layer predictor, which needs training per model)",
+                      eviction="lru", prefetchers=("speculative",)),
         OffloadPolicy("finemoe", "1/(p*freq) eviction + prefetch hints from the predictor's expert maps (FineMoE)",
                       eviction="finemoe", prefetchers=("hints",), predictor="expert-map"),
         OffloadPolicy("hintserve-transfer", "hintserve before hybrid execution: every miss fetched",

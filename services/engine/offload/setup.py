@@ -13,7 +13,7 @@ from services.engine.expert_provider import ExpertProvider
 from services.engine.models.geometry import ExpertGeometry
 from services.engine.models.spec import ModelSpec
 from services.engine.models.weights import NonExpertWeights, WeightReader
-from services.engine.offload.cost_model import measure_costs
+from services.engine.offload.cost_model import PlacementCosts, measure_costs
 from services.engine.offload.eviction import EVICTION_POLICIES, EvictionPolicy
 from services.engine.offload.expert_cache import ExpertCache
 from services.engine.offload.host_executor import HostExecutor
@@ -27,6 +27,7 @@ from services.engine.offload.hybrid_setup import (
     planned_split,
 )
 from services.engine.offload.link import EmulatedLink, Link, emulation_unit
+from services.engine.offload.memory_bus import MemoryBus, emulated_dram
 from services.engine.offload.prefetch import (
     AffinityPrefetcher,
     NextLayerPrefetcher,
@@ -60,6 +61,14 @@ def make_link(settings: OffloadSettings, spec: ExpertGeometry, dtype: torch.dtyp
     return EmulatedLink((settings.link_reference_bytes or settings.expert_bytes) / per_expert)
 
 
+def _one_dram(costs: PlacementCosts, link: EmulatedLink, reference: int, stored: int) -> PlacementCosts:
+    """The emulated host's math and the emulated link's copies on one DRAM (offload/memory_bus.py), sized as the
+    emulated host's GEMV; the emulated host prices an expert as the reference (unquantized) one, whose bytes the
+    link's rate counts, the link moves the stored ones."""
+    link.bus = MemoryBus(emulated_dram(reference, costs.host(1), link.bytes_per_second))
+    return replace(costs, dram=link.bus.capacity, host_bytes=reference, link_bytes=stored)
+
+
 def _trace(settings: OffloadSettings, policy_name: str) -> RoutingTrace:
     if not settings.routing_trace or not os.path.isfile(settings.routing_trace):
         raise ValueError(
@@ -77,6 +86,9 @@ def make_eviction(settings: OffloadSettings, spec: ExpertGeometry) -> EvictionPo
         return EVICTION_POLICIES[name](spec.num_layers)  # type: ignore[call-arg]
     if name in ("eam", "next-use"):
         return EVICTION_POLICIES[name](spec.num_layers, spec.num_experts)  # type: ignore[call-arg]
+    if name == "lru":  # per-layer shares of the slots
+        moe = [layer for layer, is_moe in enumerate(spec.moe_layers) if is_moe]
+        return EVICTION_POLICIES[name](settings.slots, moe)  # type: ignore[call-arg]
     if name == "hot-set":  # room beside the hot set: the prefetches on the link (at least one slot)
         reserve = max(1, settings.policy.prefetch_depth)
         return EVICTION_POLICIES[name](settings.slots, reserve)  # type: ignore[call-arg]
@@ -135,6 +147,8 @@ def build_expert_provider(
                               store.expert_bytes, settings.host_ratio)
         log.info("placement costs (ms): device %.3f, host %.3f, link %.3f per expert and token",
                  costs.device(1) * 1e3, costs.host(1) * 1e3, costs.link * 1e3)
+        if not cuda and isinstance(link, EmulatedLink):  # the emulated host and link read one DRAM
+            costs = _one_dram(costs, link, settings.link_reference_bytes or store.expert_bytes, store.expert_bytes)
         split = layout_split_prices(store.layout)
         split = planned_split(settings.policy, split, costs, config.max_num_seqs, spec)
         staging = staging_buffers(spec.top_k, split)
@@ -154,9 +168,10 @@ def build_expert_provider(
     if costs is None:
         return OffloadedExpertProvider(*parts, stream_slots=spec.top_k, fence=fence)
     emulated = (lambda n: costs.host(n)) if not cuda else None
+    bus = link.bus if emulated is not None and isinstance(link, EmulatedLink) else None
     return HybridExpertProvider(
         *parts, stream_slots=spec.top_k, fence=fence, pinned=pinned, prefetch_floor=settings.policy.prefetch_floor,
         prefetch_depth=settings.policy.prefetch_depth, split_staging=staging,
         placement=make_placement(settings.policy, costs, split),
-        executor=HostExecutor(settings.host_threads, stats, emulated),
+        executor=HostExecutor(settings.host_threads, stats, emulated, bus, costs.host_bytes),
     )

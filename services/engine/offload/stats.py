@@ -31,6 +31,7 @@ class OffloadStats:
     host_tokens: int = 0  # tokens those computations covered
     host_split_experts: int = 0  # of those, gate/up halves of split experts (down computed on the device)
     host_busy_seconds: float = 0.0  # host executor busy time (emulated: the emulated host's)
+    quiet_steps: int = 0  # decode steps a hybrid policy ran without its per-step machinery (no misses)
 
     def __post_init__(self) -> None:
         for name in ("hits", "inflight_hits", "misses"):
@@ -82,5 +83,6 @@ class OffloadStats:
             offload_host_compute_tokens_total=float(self.host_tokens),
             offload_host_compute_split_experts_total=float(self.host_split_experts),
             offload_host_compute_busy_seconds_total=self.host_busy_seconds,
+            offload_quiet_steps_total=float(self.quiet_steps),
         )
         return out

@@ -7,6 +7,7 @@ from services.engine.offload.eviction.belady import BeladyEviction
 from services.engine.offload.eviction.eam import EAMEviction
 from services.engine.offload.eviction.finemoe import FineMoEEviction
 from services.engine.offload.eviction.hot_set import HotSetEviction
+from services.engine.offload.eviction.layer_lru import LayerLRUEviction
 from services.engine.offload.eviction.lfu import LFUEviction
 from services.engine.offload.eviction.lookahead import LookaheadEviction
 from services.engine.offload.eviction.lru import LRUEviction
@@ -14,7 +15,8 @@ from services.engine.offload.eviction.next_use import NextUseEviction
 from services.engine.offload.eviction.static import StaticEviction
 
 EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
-    "lru": LRUEviction,
+    "lru": LayerLRUEviction,
+    "lru-global": LRUEviction,
     "lfu": LFUEviction,
     "finemoe": FineMoEEviction,
     "eam": EAMEviction,

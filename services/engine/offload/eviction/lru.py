@@ -1,4 +1,5 @@
-"""Least recently used (Mixtral-Offloading)."""
+"""Least recently used over every layer's slots at once (`lru-global`; Mixtral-Offloading keeps one LRU per
+layer: layer_lru.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from services.engine.step_context import StepContext
 
 
 class LRUEviction(EvictionPolicy):
-    name = "lru"
+    name = "lru-global"
 
     def __init__(self) -> None:
         self._recency: OrderedDict[Key, None] = OrderedDict()
