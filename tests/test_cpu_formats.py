@@ -131,3 +131,15 @@ def test_a_job_right_after_the_pool_grows_is_joined_by_every_worker() -> None:
     import sys
 
     subprocess.run([sys.executable, "-c", _RESIZE_THEN_RUN], check=True, timeout=120)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_split_experts_host_half_is_the_swiglu_activation(fmt: str) -> None:
+    """formats.expert without down: the gate/up half a split expert computes on the host, [T, I]."""
+    g = torch.Generator().manual_seed(3)
+    gate_up = formats.pack(torch.randn(384, 128, generator=g) * 0.1, fmt, 64)
+    x = torch.randn(5, 128, generator=g)
+    gate, up = F.linear(x, formats.dequantize(gate_up)).chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    got = formats.expert(x, gate_up, None)
+    assert got.shape == (5, 192) and _relative_error(got, expected) < TOLERANCE[fmt]

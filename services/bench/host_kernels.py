@@ -11,6 +11,7 @@ same command, before and after the cases. Everything goes through the project's 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import statistics
@@ -107,8 +108,7 @@ def dense_copies(fmt: str, shape: tuple[int, int], gen: torch.Generator, cycle_b
     if cpu_kernels.library() is not None:
         layers = [NativeLinear(b, None, fmt, GROUP_SIZE) for b in bases]
         nbytes = layers[0].nbytes
-        layers += [NativeLinear(bases[i % _UNIQUE], None, fmt, GROUP_SIZE)
-                   for i in range(_UNIQUE, _count(nbytes, cycle_bytes))]
+        layers += [_copy(layers[i % _UNIQUE]) for i in range(_UNIQUE, _count(nbytes, cycle_bytes))]
         return layers, nbytes  # type: ignore[return-value]
     if fmt in _DTYPE:
         mats = [b.to(_DTYPE[fmt]) for b in bases]
@@ -121,6 +121,16 @@ def dense_copies(fmt: str, shape: tuple[int, int], gen: torch.Generator, cycle_b
     packed += [dataclasses.replace(p, qweight=p.qweight.clone(), scales=p.scales.clone(), _cpu=None)
                for p in (packed[i % _UNIQUE] for i in range(_UNIQUE, _count(nbytes, cycle_bytes)))]
     return packed, nbytes  # type: ignore[return-value]
+
+
+def _copy(layer: NativeLinear) -> NativeLinear:
+    """The same layer on copies of its tensors (packing each copy again would cost the run minutes)."""
+    m = layer.matrix
+    clone = copy.copy(layer)
+    clone.matrix = dataclasses.replace(m, weight=m.weight.clone(), _native=None,
+                                       scales=None if m.scales is None else m.scales.clone())
+    clone.weight = clone.matrix.weight if m.format == "fp32" else None
+    return clone
 
 
 def dense_call(x: torch.Tensor, weights: object) -> torch.Tensor:

@@ -157,7 +157,7 @@ def _write(json_path: str, header: dict, runs: dict, formats: list[str], threads
     keys = ("decode_tok_s", "prefill_tok_s", "max_rss_mb", "load_s")
     medians = {s: {f: {t: {k: _median(rs, k) for k in keys} for t, rs in by_t.items()} for f, by_t in by_f.items()}
                for s, by_f in runs.items()}
-    result = {**header, "medians": medians, "rounds_kept": runs}
+    result = {**header, "rows": ratio_rows(medians, formats, threads), "medians": medians, "rounds_kept": runs}
     write_json(json_path, result)
     rows = []
     for f in formats:
@@ -186,6 +186,28 @@ def _write(json_path: str, header: dict, runs: dict, formats: list[str], threads
              {s: [medians[s][f][str(t)]["decode_tok_s"] or 0.0 for f in formats for t in threads] for s in SYSTEMS},
              "tok/s")
     return result
+
+
+def ratio_rows(medians: dict, formats: list[str], threads: list[int]) -> list[dict]:
+    """One record per (format, threads) with both systems' medians and our ratios (what the docs quote)."""
+    rows = []
+    for f in formats:
+        for t in map(str, threads):
+            ours, theirs = medians["hintserve"][f].get(t), medians["llama.cpp"][f].get(t)
+            if not ours or not theirs:
+                continue
+            rows.append({
+                "format": f"{f} / {FORMATS[f].gguf}", "threads": int(t),
+                "hintserve_decode_tok_s": ours["decode_tok_s"], "llamacpp_decode_tok_s": theirs["decode_tok_s"],
+                "decode_ratio": _quotient(ours["decode_tok_s"], theirs["decode_tok_s"]),
+                "hintserve_prefill_tok_s": ours["prefill_tok_s"], "llamacpp_prefill_tok_s": theirs["prefill_tok_s"],
+                "prefill_ratio": _quotient(ours["prefill_tok_s"], theirs["prefill_tok_s"]),
+                "hintserve_rss_mb": ours["max_rss_mb"], "llamacpp_rss_mb": theirs["max_rss_mb"]})
+    return rows
+
+
+def _quotient(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
 def _agreement(runs: dict, formats: list[str], threads: list[int]) -> str:

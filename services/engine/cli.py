@@ -111,10 +111,14 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return config
 
 
-def _load_engine(config: EngineConfig, core_in_thread: bool = False) -> Any:
+def load_engine(config: EngineConfig, core_in_thread: bool = False) -> Any:
     # Imported here so `hintserve --help` and argument errors stay fast (no torch model code).
     from services.engine.async_engine import AsyncLLMEngine
+    from services.engine.cpu_threads import compute_line
 
+    line = compute_line(config)
+    if line:
+        print(f"[hintserve] {line}", file=sys.stderr, flush=True)
     return AsyncLLMEngine(config, core_in_thread=core_in_thread)
 
 
@@ -127,7 +131,7 @@ def run_engine(args: argparse.Namespace) -> int:
     check_metrics_port(args.metrics_port)
     token = engine_grpc_token(args.host, args.no_auth)
     config = engine_config(args)
-    engine = _load_engine(config)
+    engine = load_engine(config)
     return asyncio.run(_serve(engine, args.host, args.port, args.metrics_host, args.metrics_port, token))
 
 
@@ -218,7 +222,7 @@ def run_generate(args: argparse.Namespace) -> int:
     config = engine_config(args)
     if args.max_num_seqs is None:  # one prompt: a KV cache for one sequence, not a server's 2 GB
         config.max_num_seqs = 1
-    engine = _load_engine(config, core_in_thread=True)  # offline, one request: no second process needed
+    engine = load_engine(config, core_in_thread=True)  # offline, one request: no second process needed
     if args.chat and not engine.has_chat_template:
         raise ValueError(f"--chat: the tokenizer in {args.model} has no chat template")
     use_chat = engine.has_chat_template if args.chat is None else args.chat

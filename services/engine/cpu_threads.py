@@ -29,6 +29,13 @@ def apply_threads(config: EngineConfig) -> None:
         use_threads(config.threads or core_threads())
 
 
+def compute_line(config: EngineConfig) -> str | None:
+    """What a CPU engine computes with, for its start-up line (None on CUDA)."""
+    if config.device != "cpu":
+        return None
+    return f"{cpu_kernels.describe()}, {config.threads or core_threads()} compute thread(s)"
+
+
 def use_threads(threads: int) -> None:
     """`threads` compute: the native kernels' pool (torch then on one), else torch's intra-op threads."""
     if cpu_kernels.library() is not None:

@@ -114,12 +114,21 @@ def library() -> ctypes.CDLL | None:
     lib.hs_linear.argtypes = [_ptr, _ptr, _i64, _ptr, _i64, _i64]
     lib.hs_moe.restype = ctypes.c_int
     lib.hs_moe.argtypes = [_ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr]
+    lib.hs_isa.restype = ctypes.c_char_p
     lib.hs_set_threads.restype = ctypes.c_int
     lib.hs_set_threads.argtypes = [ctypes.c_int]
     lib.hs_threads.restype = ctypes.c_int
     lib.rope_write_kv_f32.restype = ctypes.c_int
     lib.rope_write_kv_f32.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64]
     return lib
+
+
+def describe() -> str:
+    """Which kernels run here, for the start-up line and hintserve doctor."""
+    lib = library()
+    if lib is None:
+        return "native CPU kernels off (no compiler, a failed build or HINTSERVE_CPU_KERNELS=0): torch's path runs"
+    return f"native CPU kernels: {lib.hs_isa().decode()} loops"
 
 
 def set_threads(threads: int) -> int:

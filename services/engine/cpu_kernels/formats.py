@@ -162,13 +162,14 @@ def native_array(matrices: list[CpuMatrix]) -> ctypes.Array:
     return (_NativeMatrix * len(matrices))(*(m.native() for m in matrices))
 
 
-def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: ctypes.Array, down: ctypes.Array,
-        hidden: int) -> torch.Tensor:
-    """Each token's top-k experts (ids, weights [T, k]) on x [T, H], weighted and summed, in one native call."""
+def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: ctypes.Array,
+        down: ctypes.Array | None, width: int) -> torch.Tensor:
+    """Each token's top-k experts (ids, weights [T, k]) on x [T, H], weighted and summed, in one native call
+    ([T, width = H]); down None: one expert's SwiGLU activation only ([T, width = I], a split expert's half)."""
     x = x if x.dtype == torch.float32 and x.stride(-1) == 1 else x.float().contiguous()
     ids = ids.to(torch.int64).contiguous()
     weights = weights.to(torch.float32).contiguous()
-    out = torch.empty(x.shape[0], hidden)
+    out = torch.empty(x.shape[0], width)
     status = cpu_kernels.library().hs_moe(  # type: ignore[union-attr]
         gate_up, down, len(gate_up), x.data_ptr(), x.stride(0), x.shape[0], ids.data_ptr(), weights.data_ptr(),
         ids.shape[1], out.data_ptr())
@@ -179,9 +180,11 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: ctyp
     return out
 
 
-def expert(x: torch.Tensor, gate_up: CpuMatrix, down: CpuMatrix) -> torch.Tensor:
-    """One SwiGLU expert on all of x's rows [T, H] -> [T, H]: the one-call MoE with one expert, weight 1."""
+def expert(x: torch.Tensor, gate_up: CpuMatrix, down: CpuMatrix | None) -> torch.Tensor:
+    """One SwiGLU expert on all of x's rows [T, H] -> [T, H] (the one-call MoE with one expert, weight 1); down
+    None: its activation [T, I] only."""
     rows = x.shape[0]
-    ones = torch.ones(rows, 1)
-    return moe(x, torch.zeros(rows, 1, dtype=torch.int64), ones, native_array([gate_up]), native_array([down]),
-               down.shape[0])
+    down_array = None if down is None else native_array([down])
+    width = gate_up.shape[0] // 2 if down is None else down.shape[0]
+    return moe(x, torch.zeros(rows, 1, dtype=torch.int64), torch.ones(rows, 1), native_array([gate_up]),
+               down_array, width)

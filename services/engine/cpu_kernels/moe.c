@@ -63,18 +63,19 @@ static void down_item(void *ctx, int64_t item) {
 static int64_t up64(int64_t bytes) { return (bytes + 127) & ~(int64_t)63; }
 
 /* out[T, H] = sum over each token's top_k experts (ids, weights [T, top_k]) of weight * SwiGLU expert(x).
- * gate_up, down: [E] matrices, one format and shape for all. Returns 0, -1 on an expert id out of range, -2
- * when out of memory. */
+ * gate_up, down: [E] matrices, one format and shape for all. down NULL (a split expert's host half, top_k 1):
+ * out[T, I] = the SwiGLU activation, unweighted. Returns 0, -1 on an expert id out of range, -2 when out of
+ * memory. */
 int hs_moe(const hs_matrix *gate_up, const hs_matrix *down, int64_t E, const float *x, int64_t ldx, int64_t T,
            const int64_t *ids, const float *weights, int64_t top_k, float *out) {
-    int64_t A = T * top_k, H = down[0].N, I = down[0].K;
+    int64_t A = T * top_k, H = gate_up[0].K, I = gate_up[0].N / 2;
     for (int64_t i = 0; i < A; i++)
         if (ids[i] < 0 || ids[i] >= E)
             return -1;
     const int64_t *identity = hs_identity_rows(A);
     if (!identity)
         return -2;
-    int64_t in_bytes = up64(hs_acts_bytes(&gate_up[0], T)), mid_bytes = up64(hs_acts_bytes(&down[0], A));
+    int64_t in_bytes = up64(hs_acts_bytes(&gate_up[0], T)), mid_bytes = down ? up64(hs_acts_bytes(&down[0], A)) : 0;
     int64_t ints = 4 * E + 2 + 2 * A;
     int64_t bytes = in_bytes + mid_bytes + up64(ints * 8) + up64(A * 2 * I * 4) + up64(A * I * 4) + up64(A * H * 4);
     char *base = hs_scratch(bytes);
@@ -91,7 +92,9 @@ int hs_moe(const hs_matrix *gate_up, const hs_matrix *down, int64_t E, const flo
     p += up64(ints * 8);
     float *h = (float *)p, *act = (float *)(p + up64(A * 2 * I * 4));
     float *y = (float *)((char *)act + up64(A * I * 4));
-    hs_acts_init(&down[0], act, I, A, mid_scratch, &mid);
+    hs_acts_init(down ? &down[0] : &gate_up[0], act, I, A, mid_scratch, &mid);
+    if (!down) /* no down projection to prepare activations for: the SwiGLU phase only writes act */
+        mid.bf16 = NULL, mid.q = NULL;
     hs_acts_fill(&in, 0, T);
 
     /* Counting sort of the assignments by expert, tokens ascending within each. */
@@ -118,6 +121,11 @@ int hs_moe(const hs_matrix *gate_up, const hs_matrix *down, int64_t E, const flo
     moe_job job = {gate_up, down, expert_of, start, token_of, items, identity, active, I, H, &in, &mid, h, act, y};
     hs_parallel(gate_up_item, &job, items[active]);
     hs_parallel(swiglu_item, &job, A);
+    if (!down) {
+        for (int64_t i = 0; i < A; i++)
+            memcpy(out + i * I, act + pos[i] * I, I * sizeof *out);
+        return 0;
+    }
     for (int64_t s = 0; s < active; s++) /* down has H rows, not 2I */
         items[s + 1] = items[s] + (H + NCHUNK - 1) / NCHUNK;
     hs_parallel(down_item, &job, items[active]);

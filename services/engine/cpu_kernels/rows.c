@@ -20,6 +20,8 @@
 #endif
 
 #define INLINE static inline __attribute__((always_inline))
+#define PREFETCH_BYTES 1024 /* how far ahead the lighter streams (int4, one-row bf16) prefetch */
+
 
 INLINE float bf16f(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -52,6 +54,17 @@ INLINE void f32_block(const float *w, const acts *a, const int64_t *rows, int mm
         acc[r] = _mm512_setzero_ps();
         x[r] = a->f32 + rows[r] * a->ld;
     }
+    if (mm == 1) { /* one row: four chains, so the FMA latency never paces the stream */
+        __m512 a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 64) {
+            acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x[0] + k), acc[0]);
+            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16), _mm512_loadu_ps(x[0] + k + 16), a1);
+            a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 32), _mm512_loadu_ps(x[0] + k + 32), a2);
+            a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 48), _mm512_loadu_ps(x[0] + k + 48), a3);
+        }
+        out[0] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], a1), _mm512_add_ps(a2, a3)));
+        return;
+    }
     for (int64_t k = 0; k < K; k += 16) {
         __m512 wv = _mm512_loadu_ps(w + k);
         for (int r = 0; r < mm; r++)
@@ -83,6 +96,18 @@ INLINE void bf16_block(const uint16_t *w, const acts *a, const int64_t *rows, in
         acc[r] = _mm512_setzero_ps();
         x[r] = a->bf16 + rows[r] * K;
     }
+    if (mm == 1) { /* one row: two chains */
+        __m512 a1 = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 64) {
+            _mm_prefetch((const char *)(w + k) + 2 * PREFETCH_BYTES, _MM_HINT_T0);
+            acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_loadu_si512(w + k),
+                                      (__m512bh)_mm512_loadu_si512(x[0] + k));
+            a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w + k + 32),
+                                  (__m512bh)_mm512_loadu_si512(x[0] + k + 32));
+        }
+        out[0] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], a1));
+        return;
+    }
     for (int64_t k = 0; k < K; k += 32) {
         __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
         for (int r = 0; r < mm; r++)
@@ -111,7 +136,6 @@ INLINE void bf16_block(const uint16_t *w, const acts *a, const int64_t *rows, in
  * multiplies 4 inputs of TILE rows by the same 4 activations (broadcast), so each group's scales apply to a
  * vector of rows and nothing is summed across lanes. */
 #define TILE 16
-#define PREFETCH_BYTES 1024 /* int4 reads 64 bytes per 8 vector ops: too light a stream for the prefetchers */
 
 #if defined(HAVE_VNNI512)
 INLINE __m512 bf16x16(const uint16_t *p) {
@@ -134,14 +158,18 @@ INLINE void q8_tile(const uint8_t *w, const float *ws, const acts *a, const int6
         x[r] = a->q + rows[r] * K;
     }
     for (int64_t b = 0; b < blocks; b++) {
-        __m512i dot[MB];
+        __m512i dot[MB], odd[MB]; /* two chains per row: a vpdpbusd's latency never paces the stream */
         for (int r = 0; r < mm; r++)
-            dot[r] = _mm512_setzero_si512();
-        for (int64_t k = b * QB; k < (b + 1) * QB; k += 4) {
-            __m512i wv = _mm512_loadu_si512(w + k * TILE);
-            for (int r = 0; r < mm; r++)
-                dot[r] = _mm512_dpbusd_epi32(dot[r], wv, bcast4(x[r] + k));
+            dot[r] = odd[r] = _mm512_setzero_si512();
+        for (int64_t k = b * QB; k < (b + 1) * QB; k += 8) {
+            __m512i w0 = _mm512_loadu_si512(w + k * TILE), w1 = _mm512_loadu_si512(w + (k + 4) * TILE);
+            for (int r = 0; r < mm; r++) {
+                dot[r] = _mm512_dpbusd_epi32(dot[r], w0, bcast4(x[r] + k));
+                odd[r] = _mm512_dpbusd_epi32(odd[r], w1, bcast4(x[r] + k + 4));
+            }
         }
+        for (int r = 0; r < mm; r++)
+            dot[r] = _mm512_add_epi32(dot[r], odd[r]);
         for (int r = 0; r < mm; r++)
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_set1_ps(a->d[rows[r] * blocks + b]), acc[r]);
     }
@@ -163,18 +191,20 @@ INLINE void q4_tile(const uint8_t *w, const uint16_t *sz, int64_t g, const acts 
         x[r] = a->q + rows[r] * K;
     }
     for (int64_t j = 0; j < G; j++) {
-        __m512i dot[MB];
+        __m512i dot[MB], hid[MB]; /* low and high nibbles on two chains */
         for (int r = 0; r < mm; r++)
-            dot[r] = _mm512_setzero_si512();
+            dot[r] = hid[r] = _mm512_setzero_si512();
         for (int64_t k = j * g; k < (j + 1) * g; k += 8) {
             _mm_prefetch((const char *)(w + k / 2 * TILE) + PREFETCH_BYTES, _MM_HINT_T0);
             __m512i p = _mm512_loadu_si512(w + k / 2 * TILE);
             __m512i lo = _mm512_and_si512(p, low), hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
             for (int r = 0; r < mm; r++) {
                 dot[r] = _mm512_dpbusd_epi32(dot[r], lo, bcast4(x[r] + k));
-                dot[r] = _mm512_dpbusd_epi32(dot[r], hi, bcast4(x[r] + k + 4));
+                hid[r] = _mm512_dpbusd_epi32(hid[r], hi, bcast4(x[r] + k + 4));
             }
         }
+        for (int r = 0; r < mm; r++)
+            dot[r] = _mm512_add_epi32(dot[r], hid[r]);
         __m512 scale = bf16x16(sz + j * TILE), zero = bf16x16(sz + (G + j) * TILE);
         __m512 zero8 = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale, zero); /* the offset's and the zero's share */
         for (int r = 0; r < mm; r++) {
@@ -263,4 +293,21 @@ void hs_rows_block(const hs_matrix *W, const acts *a, const int64_t *rows, int64
             ROWS_SWITCH(M, Q4_BODY)
         }
     }
+}
+
+/* Which of the loops above this build runs (the engine's start-up log and hintserve doctor say it). */
+const char *hs_isa(void) {
+    return
+#if defined(HAVE_AVX512)
+        "avx512"
+#else
+        "portable C"
+#endif
+#if defined(HAVE_VNNI512)
+        "+vnni"
+#endif
+#if defined(__AVX512BF16__)
+        "+bf16"
+#endif
+        ;
 }

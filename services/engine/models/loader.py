@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 from transformers import PretrainedConfig
 
 from services.engine.expert_provider import ExpertProvider, ExpertWeights, ResidentExpertProvider
@@ -57,7 +58,7 @@ def load_resident_experts(
     stacks: list[StackedExperts | None] = []
     natives: list[NativeExperts | None] = []
     small = expert_bytes(spec, reader.dtype) * total_experts(spec) <= PACK_EXPERTS_MAX_BYTES
-    for layer in range(spec.num_layers):
+    for layer in tqdm(range(spec.num_layers), desc="loading experts", unit="layer", leave=False):
         if not spec.moe_layers[layer]:
             experts.append(None)
             stacks.append(None)

@@ -48,7 +48,11 @@ def _native_matrix(weight: torch.Tensor) -> bool:
 # A split expert (offload/split_experts.py) runs the same two halves on two sides: the activation where
 # gate/up lives, the down projection where down was fetched to; the ops are expert_forward's own.
 def expert_activation(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
-    """[tokens, intermediate] in the weights' dtype (bf16 experts under fp32 activations on CPU)."""
+    """[tokens, intermediate]: the native kernels' on the CPU, else in the weights' dtype (bf16 experts under
+    fp32 activations)."""
+    matrix = formats.as_cpu_matrix(gate_up) if cpu_kernels.usable(x) else None
+    if matrix is not None:
+        return formats.expert(x, matrix, None)
     return swiglu_activation(x if x.dtype == gate_up.dtype else x.to(gate_up.dtype), gate_up)
 
 
