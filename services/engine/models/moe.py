@@ -57,7 +57,7 @@ def expert_activation(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def expert_down(h: torch.Tensor, down: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    y = F.linear(h, down)
+    y = F.linear(h if h.dtype == down.dtype else h.to(down.dtype), down)  # a native host half gives fp32
     return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
