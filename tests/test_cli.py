@@ -39,9 +39,10 @@ def _expected_text(model_dir: str, prompt: str, max_tokens: int, **penalties: fl
 
 def _timing(stderr: str) -> tuple[int, int]:
     lines = [line for line in stderr.splitlines() if line.startswith("[hintserve]")]
-    assert len(lines) == 1, stderr
-    match = TIMING.match(lines[0])
-    assert match, lines[0]
+    # the start-up line naming the kernels, then the timing line: nothing else
+    assert len(lines) == 2 and "CPU kernels" in lines[0], stderr
+    match = TIMING.match(lines[1])
+    assert match, lines[1]
     return int(match.group(1)), int(match.group(2))
 
 
