@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -143,3 +145,32 @@ def test_a_split_experts_host_half_is_the_swiglu_activation(fmt: str) -> None:
     expected = F.silu(gate) * up
     got = formats.expert(x, gate_up, None)
     assert got.shape == (5, 192) and _relative_error(got, expected) < TOLERANCE[fmt]
+
+
+_PORTABLE = """
+import torch, torch.nn.functional as F
+from services.engine import cpu_kernels
+cpu_kernels._FLAG_SETS = (["-O3", "-march=x86-64"],)  # no AVX-512: the portable C loops
+assert cpu_kernels.library().hs_isa() == b"portable C"
+from services.engine.cpu_kernels import formats
+g = torch.Generator().manual_seed(1)
+for threads in (1, 2):
+    cpu_kernels.set_threads(threads)
+    for fmt in ("fp32", "bf16", "int8", "int4"):
+        m = formats.pack(torch.randn(200, 256, generator=g) * 0.05, fmt, 64, torch.randn(200, generator=g))
+        for rows in (1, 3, 9):
+            x = torch.randn(rows, 256, generator=g)
+            y, ref = formats.matmul(x, m), F.linear(x, formats.dequantize(m), m.bias)
+            assert ((y - ref).abs().max() / ref.abs().max()).item() < 2e-2, (fmt, rows)
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 compiler flags")
+def test_the_portable_loops_compute_every_format_too(tmp_path) -> None:
+    """CPUs without AVX-512 run the portable C loops over the same layouts: built so here and checked."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HINTSERVE_KERNEL_CACHE": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", _PORTABLE], check=True, timeout=300, env=env)

@@ -85,7 +85,8 @@ def test_recommendation_rules(demo_model_dir: str) -> None:
     hybrid = recommend(facts, device_gb, 64.0, 10.0, 25.0)
     assert hybrid.policy == "hintserve" and "20 of 48 experts" in hybrid.why
     assert hybrid.link_expert_ms == pytest.approx(facts.expert_bytes / 25e9 * 1e3)
-    assert hybrid.host_expert_ms > facts.expert_bytes / 10e9 * 1e3  # bandwidth plus the dispatch cost
+    # the expert's bytes at the host's bandwidth (its dispatch is charged per layer, simulator.host.HOST_PATH_S)
+    assert hybrid.host_expert_ms >= facts.expert_bytes / 10e9 * 1e3
     tiny = recommend(facts, 1.0 + (facts.non_expert_bytes + 1.5 * facts.expert_bytes) / 1e9, 64.0, 10.0, 25.0)
     assert tiny.policy == "cpu-experts"
 

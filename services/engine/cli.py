@@ -114,12 +114,19 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def load_engine(config: EngineConfig, core_in_thread: bool = False) -> Any:
     # Imported here so `hintserve --help` and argument errors stay fast (no torch model code).
     from services.engine.async_engine import AsyncLLMEngine
+
+    return AsyncLLMEngine(config, core_in_thread=core_in_thread)
+
+
+async def start_engine(engine: Any) -> None:
+    """Starts the engine, then says what a CPU engine computes with (after the load: a failed start stays the
+    one line of its error)."""
     from services.engine.cpu_threads import compute_line
 
-    line = compute_line(config)
+    await engine.start()
+    line = compute_line(engine.config)
     if line:
         print(f"[hintserve] {line}", file=sys.stderr, flush=True)
-    return AsyncLLMEngine(config, core_in_thread=core_in_thread)
 
 
 # --- hintserve engine ----------------------------------------------------------------------------
@@ -184,7 +191,7 @@ async def _serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await engine.start()
+    await start_engine(engine)
     server, bound = await serve_engine(engine, host, port, token)
     metrics = start_engine_metrics(engine, metrics_host, metrics_port)
     try:
@@ -234,7 +241,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 async def _generate(engine: Any, prompt: str, params: SamplingParams) -> None:
-    await engine.start()
+    await start_engine(engine)
     try:
         start = time.perf_counter()
         first: float | None = None

@@ -258,14 +258,14 @@ def run_serve(args: argparse.Namespace) -> int:
 async def _run_serve(
     config: GatewayConfig, engine_cfg: Any, auth_line: str, sock: Any, metrics_at: tuple[str, int]
 ) -> int:
-    from services.engine.cli import load_engine, start_engine_metrics, until_stopped_or_dead
+    from services.engine.cli import load_engine, start_engine, start_engine_metrics, until_stopped_or_dead
     from services.gateway.engine_client import InProcessEngineClient
     from services.gateway.server import Gateway, HTTPServer
 
     # A policy that uses prediction hints (hintserve, finemoe, moe-infinity) starts the predictor inside the
     # engine, on the in-process broker unless --redis-url is given: all services in this one process.
     engine = load_engine(engine_cfg)
-    await engine.start()
+    await start_engine(engine)
     metrics = start_engine_metrics(engine, *metrics_at)
     try:
         gateway = Gateway(config, [InProcessEngineClient(engine)])

@@ -1,18 +1,17 @@
-"""Native fp32 CPU kernels for decode steps: the routed experts and paged attention, each in one call.
+"""Native CPU kernels: every weight format's matmul and a MoE layer in one call on one thread pool
+(`threadpool.c`, `matmul.c`, `rows.c`, `moe.c`; the formats and their Python side in `formats.py`), and fp32
+paged decode attention, RMSNorm and RoPE (`kernels.c`).
 
-Why: on the single-threaded serving core, a decode step's two biggest blocks were bound by neither memory nor
-FLOPs. An expert's two oneDNN GEMMs on a few rows ran at 10-12 GB/s against a core's 25 GB/s stream, plus a
-dozen small torch ops per layer for the sort, gather, weighting and sum. Decode attention gathered every
-sequence's context into a fresh tensor before its GEMMs, so each cached key and value was read twice and written
-once. `kernels.c` reads each expert's weights and each cached key and value once, in place. Offloaded experts
-(cache slots, the host store) keep torch's [out, in] layout, which the link moves whole: `expert_rows` computes
-one in place, gathered and added into the layer's sum in the same call (2.4x oneDNN on one token).
+Why: decode on a CPU is bound by reading weights, and torch's paths read them at a third of the memory's
+bandwidth (weight-only int8/int4) or paid a dozen small ops per expert and layer; `kernels.c`'s attention reads
+each cached key and value once, in place. The older fp32 expert kernels here (`moe_swiglu`, `expert_rows`) still
+serve stacked experts whose widths the newer ones do not take and the offload path's gather and scatter.
 
-The source is compiled at first use with the system C compiler (`$CC`, else `cc`), -O3 -march=native, into
-a per-user cache keyed by the source, flags and CPU; nothing to build at install time, no torch headers (about
-a second). Without a compiler, or with HINTSERVE_CPU_KERNELS=0, `library()` is None and callers keep torch's
-path. The kernels are single-threaded: callers use them only when torch runs one intra-op thread, as the
-serving core does on small boxes (cpu_threads.core_threads).
+The sources are compiled at first use with the system C compiler (`$CC`, else `cc`), -O3 -march=native, into
+a per-user cache keyed by the sources, flags and CPU; nothing to build at install time, no torch headers (a few
+seconds). Without a compiler, or with HINTSERVE_CPU_KERNELS=0, `library()` is None and callers keep torch's
+path. Callers use the kernels when torch runs one intra-op thread (`usable`): the pool then has the cores
+(`cpu_threads.apply_threads`).
 """
 
 from __future__ import annotations

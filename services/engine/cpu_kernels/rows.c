@@ -30,6 +30,18 @@ INLINE float bf16f(uint16_t h) {
     return f;
 }
 
+/* The float formats' portable loop: w is fp32, or bf16 widened (is_bf16, a constant where it is inlined). */
+INLINE float portable_dot(const void *w, int is_bf16, const float *x, int64_t K) {
+    float s[16] = {0};
+    for (int64_t k = 0; k < K; k += 16)
+        for (int i = 0; i < 16; i++)
+            s[i] += (is_bf16 ? bf16f(((const uint16_t *)w)[k + i]) : ((const float *)w)[k + i]) * x[k + i];
+    float t = 0.0f;
+    for (int i = 0; i < 16; i++)
+        t += s[i];
+    return t;
+}
+
 /* Calls body(mm) with mm a constant 1..MB for each block of activation rows. */
 #define ROWS_SWITCH(M, body)                                                                                     \
     for (int64_t m = 0; m < (M); m += MB) {                                                                    \
@@ -73,17 +85,8 @@ INLINE void f32_block(const float *w, const acts *a, const int64_t *rows, int mm
     for (int r = 0; r < mm; r++)
         out[r] = _mm512_reduce_add_ps(acc[r]);
 #else
-    for (int r = 0; r < mm; r++) {
-        const float *x = a->f32 + rows[r] * a->ld;
-        float s[16] = {0};
-        for (int64_t k = 0; k < K; k += 16)
-            for (int i = 0; i < 16; i++)
-                s[i] += w[k + i] * x[k + i];
-        float t = 0.0f;
-        for (int i = 0; i < 16; i++)
-            t += s[i];
-        out[r] = t;
-    }
+    for (int r = 0; r < mm; r++)
+        out[r] = portable_dot(w, 0, a->f32 + rows[r] * a->ld, K);
 #endif
 }
 
@@ -116,17 +119,8 @@ INLINE void bf16_block(const uint16_t *w, const acts *a, const int64_t *rows, in
     for (int r = 0; r < mm; r++)
         out[r] = _mm512_reduce_add_ps(acc[r]);
 #else
-    for (int r = 0; r < mm; r++) {
-        const float *x = a->f32 + rows[r] * a->ld;
-        float s[16] = {0};
-        for (int64_t k = 0; k < K; k += 16)
-            for (int i = 0; i < 16; i++)
-                s[i] += bf16f(w[k + i]) * x[k + i];
-        float t = 0.0f;
-        for (int i = 0; i < 16; i++)
-            t += s[i];
-        out[r] = t;
-    }
+    for (int r = 0; r < mm; r++)
+        out[r] = portable_dot(w, 1, a->f32 + rows[r] * a->ld, K);
 #endif
 }
 

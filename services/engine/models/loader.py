@@ -58,7 +58,7 @@ def load_resident_experts(
     stacks: list[StackedExperts | None] = []
     natives: list[NativeExperts | None] = []
     small = expert_bytes(spec, reader.dtype) * total_experts(spec) <= PACK_EXPERTS_MAX_BYTES
-    for layer in tqdm(range(spec.num_layers), desc="loading experts", unit="layer", leave=False):
+    for layer in tqdm(range(spec.num_layers), desc="loading experts", unit="layer", leave=False, disable=None):
         if not spec.moe_layers[layer]:
             experts.append(None)
             stacks.append(None)
