@@ -127,7 +127,7 @@ def _copy(layer: NativeLinear) -> NativeLinear:
     """The same layer on copies of its tensors (packing each copy again would cost the run minutes)."""
     m = layer.matrix
     clone = copy.copy(layer)
-    clone.matrix = dataclasses.replace(m, weight=m.weight.clone(), _native=None,
+    clone.matrix = dataclasses.replace(m, weight=m.weight.clone(), _native=None, _alone=None,
                                        scales=None if m.scales is None else m.scales.clone())
     clone.weight = clone.matrix.weight if m.format == "fp32" else None
     return clone

@@ -26,7 +26,6 @@ from services.engine import cpu_kernels
 from services.engine.quant.groupwise import quantize_int4, quantize_int8
 
 FORMAT_IDS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3}
-INT8_BLOCK = 64  # matmul.c's QB: inputs per activation scale under int8 weights
 TILE = 16  # rows.c's TILE: weight rows interleaved per tile (int8, int4)
 
 
@@ -46,6 +45,7 @@ class CpuMatrix:
     group: int = 0  # int4: inputs per (scale, zero)
     bias: torch.Tensor | None = None
     _native: _NativeMatrix | None = field(default=None, repr=False, compare=False)
+    _alone: ctypes.Array | None = field(default=None, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -60,6 +60,13 @@ class CpuMatrix:
                 None if self.scales is None else self.scales.data_ptr(),
                 None if self.bias is None else self.bias.data_ptr())
         return self._native
+
+
+def alone(m: CpuMatrix) -> ctypes.Array:
+    """The matrix as a one-element C array (a single expert's call), made once like its struct."""
+    if m._alone is None:
+        m._alone = native_array([m])
+    return m._alone
 
 
 def native_widths(fmt: str, k: int, group: int = 0) -> bool:
@@ -184,7 +191,6 @@ def expert(x: torch.Tensor, gate_up: CpuMatrix, down: CpuMatrix | None) -> torch
     """One SwiGLU expert on all of x's rows [T, H] -> [T, H] (the one-call MoE with one expert, weight 1); down
     None: its activation [T, I] only."""
     rows = x.shape[0]
-    down_array = None if down is None else native_array([down])
     width = gate_up.shape[0] // 2 if down is None else down.shape[0]
-    return moe(x, torch.zeros(rows, 1, dtype=torch.int64), torch.ones(rows, 1), native_array([gate_up]),
-               down_array, width)
+    return moe(x, torch.zeros(rows, 1, dtype=torch.int64), torch.ones(rows, 1), alone(gate_up),
+               None if down is None else alone(down), width)
