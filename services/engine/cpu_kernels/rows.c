@@ -124,6 +124,122 @@ INLINE void bf16_block(const uint16_t *w, const acts *a, const int64_t *rows, in
 #endif
 }
 
+/* ---- fp32 and bf16 at two or more activation rows: a tile of NT weight rows x up to MT activation rows ----
+ * One row of weights against MB rows (above) spends a load of activations on every FMA, and those rows (8 KB
+ * each at K = 2048) come from L2: prefill ran at a fifth of the FMA peak. NT x MT accumulators in registers
+ * load NT + MT vectors per NT * MT FMAs, and hs_rows_block walks the activation rows outer and a work item's
+ * weight rows inner, so an item's weights stay in L2 while each block of activations is read once. */
+#define NT 4
+#define MT 6
+
+#if defined(HAVE_AVX512)
+INLINE void f32_tile(const float *w, int64_t K, const float *const *x, int mm, float out[NT][MT]) {
+    __m512 acc[NT][MT];
+    for (int i = 0; i < NT; i++)
+        for (int r = 0; r < mm; r++)
+            acc[i][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        __m512 wv[NT];
+        for (int i = 0; i < NT; i++)
+            wv[i] = _mm512_loadu_ps(w + i * K + k);
+        for (int r = 0; r < mm; r++) {
+            __m512 xv = _mm512_loadu_ps(x[r] + k);
+            for (int i = 0; i < NT; i++)
+                acc[i][r] = _mm512_fmadd_ps(wv[i], xv, acc[i][r]);
+        }
+    }
+    for (int i = 0; i < NT; i++)
+        for (int r = 0; r < mm; r++)
+            out[i][r] = _mm512_reduce_add_ps(acc[i][r]);
+}
+#endif
+
+#if defined(__AVX512BF16__)
+INLINE void bf16_tile(const uint16_t *w, int64_t K, const uint16_t *const *x, int mm, float out[NT][MT]) {
+    __m512 acc[NT][MT];
+    for (int i = 0; i < NT; i++)
+        for (int r = 0; r < mm; r++)
+            acc[i][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        __m512bh wv[NT];
+        for (int i = 0; i < NT; i++)
+            wv[i] = (__m512bh)_mm512_loadu_si512(w + i * K + k);
+        for (int r = 0; r < mm; r++) {
+            __m512bh xv = (__m512bh)_mm512_loadu_si512(x[r] + k);
+            for (int i = 0; i < NT; i++)
+                acc[i][r] = _mm512_dpbf16_ps(acc[i][r], wv[i], xv);
+        }
+    }
+    for (int i = 0; i < NT; i++)
+        for (int r = 0; r < mm; r++)
+            out[i][r] = _mm512_reduce_add_ps(acc[i][r]);
+}
+#endif
+
+/* Weight rows [n0, n1) of a float format against M >= 2 activation rows, tiles where the build has them. */
+static void float_rows(const hs_matrix *W, const acts *a, const int64_t *rows, int64_t M, int64_t n0, int64_t n1,
+                       float *y, int64_t ldy) {
+    int64_t K = W->K;
+    int bf16 = W->format == BF16;
+    float out[NT][MT];
+    for (int64_t m = 0; m < M; m += MT) {
+        int mm = (int)(M - m < MT ? M - m : MT);
+        const float *xf[MT];
+        const uint16_t *xh[MT];
+        for (int r = 0; r < mm; r++) {
+            xf[r] = a->f32 + rows[m + r] * a->ld;
+            xh[r] = bf16 ? a->bf16 + rows[m + r] * K : NULL;
+        }
+        int64_t n = n0;
+#if defined(HAVE_AVX512)
+        if (!bf16)
+            for (; n + NT <= n1; n += NT) {
+                const float *w = (const float *)W->w + n * K;
+#define F32_TILE(c) f32_tile(w, K, xf, c, out)
+                switch (mm) {
+                case 1: F32_TILE(1); break;
+                case 2: F32_TILE(2); break;
+                case 3: F32_TILE(3); break;
+                case 4: F32_TILE(4); break;
+                case 5: F32_TILE(5); break;
+                default: F32_TILE(6); break;
+                }
+                for (int i = 0; i < NT; i++)
+                    for (int r = 0; r < mm; r++)
+                        y[(m + r) * ldy + n + i] = out[i][r] + (W->bias ? W->bias[n + i] : 0.0f);
+            }
+#endif
+#if defined(__AVX512BF16__)
+        if (bf16)
+            for (; n + NT <= n1; n += NT) {
+                const uint16_t *w = (const uint16_t *)W->w + n * K;
+#define BF16_TILE(c) bf16_tile(w, K, xh, c, out)
+                switch (mm) {
+                case 1: BF16_TILE(1); break;
+                case 2: BF16_TILE(2); break;
+                case 3: BF16_TILE(3); break;
+                case 4: BF16_TILE(4); break;
+                case 5: BF16_TILE(5); break;
+                default: BF16_TILE(6); break;
+                }
+                for (int i = 0; i < NT; i++)
+                    for (int r = 0; r < mm; r++)
+                        y[(m + r) * ldy + n + i] = out[i][r] + (W->bias ? W->bias[n + i] : 0.0f);
+            }
+#endif
+        for (; n < n1; n++) { /* rows past the last whole tile, and builds without the tiles */
+            float one[MB];
+            float add = W->bias ? W->bias[n] : 0.0f;
+            if (bf16)
+                bf16_block((const uint16_t *)W->w + n * K, a, rows + m, mm, K, one);
+            else
+                f32_block((const float *)W->w + n * K, a, rows + m, mm, K, one);
+            for (int r = 0; r < mm; r++)
+                y[(m + r) * ldy + n] = one[r] + add;
+        }
+    }
+}
+
 /* ---- int8 and int4: tiles of TILE weight rows, TILE lanes of one vector each (layouts: formats.py) ----
  * int8 tile: [K/4][TILE][4] bytes (w + 128); int4 tile: [K/8][TILE][4] bytes, byte (i, t) holding row i's
  * inputs t (low nibble) and 4 + t (high) of each 8; its (scale, zero) as bf16 [2][G][TILE]. One vpdpbusd
@@ -263,6 +379,10 @@ void hs_rows_block(const hs_matrix *W, const acts *a, const int64_t *rows, int64
     int64_t K = W->K;
     float out[MB];
     int64_t step = W->format == Q8 || W->format == Q4 ? TILE : 1; /* chunks start on a tile (NCHUNK) */
+    if ((W->format == F32 || W->format == BF16) && M >= 2) {
+        float_rows(W, a, rows, M, n0, n1, y, ldy);
+        return;
+    }
     for (int64_t n = n0; n < n1; n += step) {
         float bias = W->bias && step == 1 ? W->bias[n] : 0.0f;
         int valid = (int)(W->N - n < TILE ? W->N - n : TILE); /* a last tile's rows past N are padding */
