@@ -136,6 +136,12 @@ def set_threads(threads: int) -> int:
     return 1 if lib is None else lib.hs_set_threads(threads)
 
 
+def pool_threads() -> int | None:
+    """The pool's size, or None without the kernels (torch then has every thread already)."""
+    lib = library()
+    return None if lib is None else lib.hs_threads()
+
+
 def widths_supported(*widths: int) -> bool:
     """The kernels vectorise every row they loop over (hidden, intermediate, head size, GEMM K and N) in 16s."""
     return all(width % 16 == 0 for width in widths)

@@ -246,6 +246,7 @@ static void float_rows(const hs_matrix *W, const acts *a, const int64_t *rows, i
  * multiplies 4 inputs of TILE rows by the same 4 activations (broadcast), so each group's scales apply to a
  * vector of rows and nothing is summed across lanes. */
 #define TILE 16
+#define SPLIT_MAX 4 /* activation rows up to which each row's integer dot products run on two chains */
 
 #if defined(HAVE_VNNI512)
 INLINE __m512 bf16x16(const uint16_t *p) {
@@ -268,18 +269,24 @@ INLINE void q8_tile(const uint8_t *w, const float *ws, const acts *a, const int6
         x[r] = a->q + rows[r] * K;
     }
     for (int64_t b = 0; b < blocks; b++) {
-        __m512i dot[MB], odd[MB]; /* two chains per row: a vpdpbusd's latency never paces the stream */
+        /* Two chains per row while few rows run, so a vpdpbusd's latency never paces the stream; above SPLIT_MAX
+         * rows the rows are chains enough and a second set of accumulators would spill. */
+        __m512i dot[MB], odd[MB];
         for (int r = 0; r < mm; r++)
             dot[r] = odd[r] = _mm512_setzero_si512();
         for (int64_t k = b * QB; k < (b + 1) * QB; k += 8) {
             __m512i w0 = _mm512_loadu_si512(w + k * TILE), w1 = _mm512_loadu_si512(w + (k + 4) * TILE);
             for (int r = 0; r < mm; r++) {
                 dot[r] = _mm512_dpbusd_epi32(dot[r], w0, bcast4(x[r] + k));
-                odd[r] = _mm512_dpbusd_epi32(odd[r], w1, bcast4(x[r] + k + 4));
+                if (mm <= SPLIT_MAX)
+                    odd[r] = _mm512_dpbusd_epi32(odd[r], w1, bcast4(x[r] + k + 4));
+                else
+                    dot[r] = _mm512_dpbusd_epi32(dot[r], w1, bcast4(x[r] + k + 4));
             }
         }
-        for (int r = 0; r < mm; r++)
-            dot[r] = _mm512_add_epi32(dot[r], odd[r]);
+        if (mm <= SPLIT_MAX)
+            for (int r = 0; r < mm; r++)
+                dot[r] = _mm512_add_epi32(dot[r], odd[r]);
         for (int r = 0; r < mm; r++)
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_set1_ps(a->d[rows[r] * blocks + b]), acc[r]);
     }
@@ -301,7 +308,7 @@ INLINE void q4_tile(const uint8_t *w, const uint16_t *sz, int64_t g, const acts 
         x[r] = a->q + rows[r] * K;
     }
     for (int64_t j = 0; j < G; j++) {
-        __m512i dot[MB], hid[MB]; /* low and high nibbles on two chains */
+        __m512i dot[MB], hid[MB]; /* low and high nibbles on two chains while few rows run (q8_tile) */
         for (int r = 0; r < mm; r++)
             dot[r] = hid[r] = _mm512_setzero_si512();
         for (int64_t k = j * g; k < (j + 1) * g; k += 8) {
@@ -310,11 +317,15 @@ INLINE void q4_tile(const uint8_t *w, const uint16_t *sz, int64_t g, const acts 
             __m512i lo = _mm512_and_si512(p, low), hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
             for (int r = 0; r < mm; r++) {
                 dot[r] = _mm512_dpbusd_epi32(dot[r], lo, bcast4(x[r] + k));
-                hid[r] = _mm512_dpbusd_epi32(hid[r], hi, bcast4(x[r] + k + 4));
+                if (mm <= SPLIT_MAX)
+                    hid[r] = _mm512_dpbusd_epi32(hid[r], hi, bcast4(x[r] + k + 4));
+                else
+                    dot[r] = _mm512_dpbusd_epi32(dot[r], hi, bcast4(x[r] + k + 4));
             }
         }
-        for (int r = 0; r < mm; r++)
-            dot[r] = _mm512_add_epi32(dot[r], hid[r]);
+        if (mm <= SPLIT_MAX)
+            for (int r = 0; r < mm; r++)
+                dot[r] = _mm512_add_epi32(dot[r], hid[r]);
         __m512 scale = bf16x16(sz + j * TILE), zero = bf16x16(sz + (G + j) * TILE);
         __m512 zero8 = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale, zero); /* the offset's and the zero's share */
         for (int r = 0; r < mm; r++) {

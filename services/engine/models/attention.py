@@ -8,6 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from services.engine import cpu_kernels
+from services.engine.cpu_threads import intra_op_threads
+
+# Prefill attention of this many tokens or more runs on the pool's threads: torch keeps one thread beside the
+# native pool, and a long prompt's attention is a tenth of its prefill time on one thread.
+SHARED_ATTENTION_TOKENS = 64
 
 
 @dataclass
@@ -90,6 +95,14 @@ def prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int], scale: float
 ) -> torch.Tensor:
     """q: [T, Hq, D], k/v: [T, Hkv, D] for sequences laid end to end; causal within each sequence."""
+    threads = cpu_kernels.pool_threads() if q.is_cpu and q.shape[0] >= SHARED_ATTENTION_TOKENS else None
+    with intra_op_threads(threads):
+        return _causal_attention(q, k, v, seq_lens, scale)
+
+
+def _causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int], scale: float
+) -> torch.Tensor:
     n = seq_lens[0]
     if len(seq_lens) > 1 and all(length == n for length in seq_lens):  # one batched call (~10% faster)
         b = len(seq_lens)
