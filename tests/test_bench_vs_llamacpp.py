@@ -35,6 +35,7 @@ def test_hintserve_case_reports_its_figures(tiny_qwen3: str) -> None:
     figures = run_hintserve(tiny_qwen3, "q4_0", 1, case)
     assert len(figures["tokens"]) == 5 and figures["decode_tok_s"] > 0 and figures["prefill_tok_s"] > 0
     assert figures["max_rss_mb"] > 100  # the 120 MB checkpoint, in fp32 around its int4 experts
+    assert 30 < figures["tensor_mb"] < figures["max_rss_mb"] - figures["start_rss_mb"]
 
 
 def _llama_or_skip() -> None:

@@ -11,6 +11,7 @@ llama.cpp's the time around its decode calls and the logits read. Peak RSS per c
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import resource
@@ -96,10 +97,12 @@ def hintserve_worker(args: dict) -> dict:
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # what OMP_NUM_THREADS does; said outright
     case = args["case"]
+    start_rss_mb = current_rss_mb()  # the interpreter and torch (ru_maxrss starts at the parent's peak)
     start = time.perf_counter()
     config = EngineConfig(model=args["model"], max_num_seqs=1, max_model_len=case["n_ctx"], **args["engine"])
     engine = LLMEngine(config, detokenize=False)
     load_s = time.perf_counter() - start
+    tensor_mb = live_tensor_bytes() / 2**20
     try:
         greedy = SamplingParams(temperature=0.0, max_tokens=case["new_tokens"], ignore_eos=True)
         engine.generate([case["prompt"][:8]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
@@ -117,7 +120,24 @@ def hintserve_worker(args: dict) -> dict:
     return {"decode_tok_s": delta(before, mid, "decode_tokens_total") / delta(before, mid, "decode_seconds_total"),
             "prefill_tok_s": delta(mid, after, "prefill_tokens_total") / delta(mid, after, "prefill_seconds_total"),
             "ttft_s": delta(before, mid, "prefill_seconds_total"), "load_s": load_s, "tokens": tokens,
-            "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "tensor_mb": tensor_mb,
+            "start_rss_mb": start_rss_mb}
+
+
+def current_rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmRSS:"))
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every live CPU tensor storage (each counted once): after the load, the weights in their formats
+    plus a KV cache of n_ctx tokens, what peak RSS is held against."""
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def run_vs_llamacpp(model_dir: str, llama_python: str, llama_src: str | None, gguf_dir: str, formats: list[str],
@@ -148,13 +168,13 @@ def run_vs_llamacpp(model_dir: str, llama_python: str, llama_src: str | None, gg
 
 
 def _median(rounds: list[dict], key: str) -> float | None:
-    values = [r[key] for r in rounds if "error" not in r]
+    values = [r[key] for r in rounds if "error" not in r and r.get(key) is not None]  # some keys are ours only
     return statistics.median(values) if values else None
 
 
 def _write(json_path: str, header: dict, runs: dict, formats: list[str], threads: list[int]) -> dict:
     """The result so far (rewritten after every round, so an interrupted run keeps what it measured)."""
-    keys = ("decode_tok_s", "prefill_tok_s", "max_rss_mb", "load_s")
+    keys = ("decode_tok_s", "prefill_tok_s", "max_rss_mb", "load_s", "tensor_mb", "start_rss_mb")
     medians = {s: {f: {t: {k: _median(rs, k) for k in keys} for t, rs in by_t.items()} for f, by_t in by_f.items()}
                for s, by_f in runs.items()}
     result = {**header, "rows": ratio_rows(medians, formats, threads), "medians": medians, "rounds_kept": runs}
@@ -202,7 +222,12 @@ def ratio_rows(medians: dict, formats: list[str], threads: list[int]) -> list[di
                 "decode_ratio": _quotient(ours["decode_tok_s"], theirs["decode_tok_s"]),
                 "hintserve_prefill_tok_s": ours["prefill_tok_s"], "llamacpp_prefill_tok_s": theirs["prefill_tok_s"],
                 "prefill_ratio": _quotient(ours["prefill_tok_s"], theirs["prefill_tok_s"]),
-                "hintserve_rss_mb": ours["max_rss_mb"], "llamacpp_rss_mb": theirs["max_rss_mb"]})
+                "hintserve_rss_mb": ours["max_rss_mb"], "llamacpp_rss_mb": theirs["max_rss_mb"],
+                "hintserve_tensor_mb": ours["tensor_mb"],
+                "rss_over_tensors": _quotient(ours["max_rss_mb"], ours["tensor_mb"]),
+                "rss_over_tensors_less_interpreter": _quotient(
+                    None if ours["max_rss_mb"] is None or ours["start_rss_mb"] is None
+                    else ours["max_rss_mb"] - ours["start_rss_mb"], ours["tensor_mb"])})
     return rows
 
 
