@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
+from services.engine import cpu_kernels
+from services.engine.models import attention
 from services.engine.models.attention import AttentionMetadata, decode_attention, prefill_attention, write_kv
 
 HQ, HKV, D, BS = 8, 4, 16, 4
@@ -23,6 +26,31 @@ def test_equal_length_prefill_is_one_batched_call_with_the_same_result() -> None
                       for i in range(3)])
     torch.testing.assert_close(prefill_attention(q, k, v, [9, 9, 9], 0.3), want)
     torch.testing.assert_close(prefill_attention(q, k, v, [9, 5, 13], 0.3)[:9], want[:9])
+
+
+@pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler: native kernels not built")
+def test_a_long_prefill_attends_on_the_pools_threads(monkeypatch) -> None:
+    """torch runs one thread beside the native pool; a long prompt's attention borrows the pool's threads."""
+    seen: list[int] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return sdpa(*args, **kwargs)
+
+    before, torch_before = cpu_kernels.library().hs_threads(), torch.get_num_threads()
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", recording)
+    cpu_kernels.set_threads(2)
+    torch.set_num_threads(1)
+    try:
+        n = attention.SHARED_ATTENTION_TOKENS
+        for length in (n - 1, n):
+            q, k, v = (torch.randn(length, h, D) for h in (HQ, HKV, HKV))
+            prefill_attention(q, k, v, [length], 0.3)
+        assert seen == [1, 2] and torch.get_num_threads() == 1
+    finally:
+        cpu_kernels.set_threads(before)
+        torch.set_num_threads(torch_before)
 
 
 def test_decode_reads_the_head_major_paged_cache() -> None:
