@@ -165,7 +165,7 @@ def run_eval(train: list[TraceSet], train_paths: list[str], test: TraceSet, test
     """All predictors x distances. Returns the JSON payload (rows + what was split how)."""
     from tqdm import tqdm
 
-    from services.predictor.traces import merge_traces
+    from services.predictor.trace_set import merge_traces
 
     same = [i for i, p in enumerate(train_paths) if p == test_path]
     others = [t for i, t in enumerate(train) if i not in same]
