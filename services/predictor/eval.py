@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from services.common.iteration_context import IterationContext, PredictionQuery, RequestTrace, TracedIteration
+from services.common.request_history import RequestHistory
 from services.predictor.predictors import create_predictor, predictor_class, unavailable_reason
 from services.predictor.traces import TraceSet
 
@@ -114,7 +115,7 @@ def evaluate_predictor(name: str, train: TraceSet, test: list[RequestTrace], cfg
     many = getattr(pred, "predict_many", None)
     plan = getattr(pred, "plan", None)
     for request in test:
-        history: list[IterationContext] = []
+        history = RequestHistory()
         for it in request.iterations:
             if it.iteration > 0 or cfg.include_prefill:
                 views = {s: masked(it, s) for s in range(L)}
@@ -134,7 +135,7 @@ def evaluate_predictor(name: str, train: TraceSet, test: list[RequestTrace], cfg
                         accs[d].n_plan += 1
             if cfg.online:
                 pred.observe(it)
-            history = history + [it]
+            history.append(it)
     predict_ms = 1000 * predict_s / max(n_queries, 1)
     out = {}
     for d, a in accs.items():
