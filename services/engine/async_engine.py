@@ -19,6 +19,7 @@ from multiprocessing.connection import Connection
 
 from services.engine import core_messages
 from services.engine.config import EngineConfig
+from services.engine.embedded_predictor import embedded_predictor
 from services.engine.engine_core import engine_core_main, run_engine_core
 from services.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from services.engine.input_processor import (
@@ -87,7 +88,9 @@ class AsyncLLMEngine:
         else:
             ctx = multiprocessing.get_context("spawn")  # fork would copy this process's threads and locks
             self._core = ctx.Process(
-                target=engine_core_main, args=(self.config, core_in, core_out), name="hintserve-engine-core",
+                # The embedded predictor's factory goes along: a spawned process starts without it.
+                target=engine_core_main, args=(self.config, core_in, core_out, embedded_predictor()),
+                name="hintserve-engine-core",
                 daemon=True,
             )
         self._core.start()

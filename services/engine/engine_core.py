@@ -27,6 +27,7 @@ from services.engine.core_messages import (
     CoreStats,
     StopCore,
 )
+from services.engine.embedded_predictor import EmbeddedPredictorFactory, use_embedded_predictor
 from services.engine.errors import InvalidRequestError
 from services.engine.llm_engine import LLMEngine
 from services.engine.outputs import RequestOutput
@@ -103,8 +104,12 @@ class EngineCore:
                                               error=str(exc))])
 
 
-def run_engine_core(config: EngineConfig, requests: Connection, outputs: Connection) -> int:
-    """Loads the model, says CoreReady and runs the loop; 1 if loading or the loop failed (said CoreDead)."""
+def run_engine_core(config: EngineConfig, requests: Connection, outputs: Connection,
+                    embedded: EmbeddedPredictorFactory | None = None) -> int:
+    """Loads the model, says CoreReady and runs the loop; 1 if loading or the loop failed (said CoreDead).
+    `embedded`: the frontend's embedded predictor factory, for a core in a process of its own."""
+    if embedded is not None:
+        use_embedded_predictor(embedded)
     try:
         engine = LLMEngine(config, detokenize=False)
         # Served shapes vary step to step: build every kernel now, not during the first requests (~0.5 s).
@@ -134,9 +139,10 @@ def _say(outputs: Connection, msg: CoreMessage) -> None:
         pass
 
 
-def engine_core_main(config: EngineConfig, requests: Connection, outputs: Connection) -> None:
+def engine_core_main(config: EngineConfig, requests: Connection, outputs: Connection,
+                     embedded: EmbeddedPredictorFactory | None = None) -> None:
     """The core process's entry point (spawned): Ctrl-C goes to the frontend, which stops us in order."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="[hintserve core] %(levelname)s %(name)s: %(message)s")
     logging.getLogger("torchao").setLevel(logging.ERROR)  # optional CUDA kernels it cannot load on CPU
-    sys.exit(run_engine_core(config, requests, outputs))
+    sys.exit(run_engine_core(config, requests, outputs, embedded))
