@@ -81,7 +81,7 @@ class StreamWatch:
             if entry.cut is None:
                 raise
             if entry.cancelled and hasattr(entry.task, "uncancel"):  # 3.11+: our own cancel, now handled
-                entry.task.uncancel()  # type: ignore[union-attr]
+                entry.task.uncancel()
             raise entry.cut from None
         finally:
             entry.waiting_since = None

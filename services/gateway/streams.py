@@ -38,7 +38,7 @@ async def prime(streams: Sequence[AsyncIterator[Any]]) -> list[Any]:
         await asyncio.gather(*tasks, return_exceptions=True)
         await _close_all(streams)
         raise
-    errors = [t.exception() for t in done if t.exception() is not None]
+    errors = [e for e in (t.exception() for t in done) if e is not None]
     if not errors:
         return [t.result() for t in tasks]
     for task in pending:

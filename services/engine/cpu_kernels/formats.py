@@ -156,7 +156,7 @@ def as_cpu_matrix(w: torch.Tensor | object) -> CpuMatrix | None:
         fmt = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(w.dtype)
         if fmt is None or w.device.type != "cpu" or w.dim() != 2 or not w.is_contiguous():
             return None
-        matrix = CpuMatrix(fmt, tuple(w.shape), w)
+        matrix = CpuMatrix(fmt, (w.shape[0], w.shape[1]), w)
     elif getattr(w, "on_cpu", False):
         matrix = w.cpu_matrix()  # type: ignore[attr-defined]
     else:
