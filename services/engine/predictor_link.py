@@ -95,8 +95,8 @@ class PredictorLink:
         self._lat_lock = threading.Lock()
         self._last_hint = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._wake: asyncio.Event | None = None
-        self._stop: asyncio.Event | None = None
+        self._wake = asyncio.Event()  # bound to the link thread's loop on first use there
+        self._stop = asyncio.Event()
         self._closing = False
         self._ending = False  # the current connected session is winding down
         self._thread = threading.Thread(target=self._thread_main, name=f"predictor-link-{engine_id}", daemon=True)
@@ -126,7 +126,7 @@ class PredictorLink:
             return
         self._queue.append((time.time_ns(), ctx, layers_seen))
         try:
-            loop.call_soon_threadsafe(self._wake.set)  # type: ignore[union-attr]
+            loop.call_soon_threadsafe(self._wake.set)
         except RuntimeError:  # the loop closed under us (shutdown)
             pass
 
@@ -137,10 +137,10 @@ class PredictorLink:
 
     def close(self, timeout: float = 5.0) -> None:
         self._closing = True
-        loop, stop = self._loop, self._stop
-        if loop is not None and stop is not None:
+        loop = self._loop
+        if loop is not None:
             try:
-                loop.call_soon_threadsafe(stop.set)
+                loop.call_soon_threadsafe(self._stop.set)
             except RuntimeError:
                 pass
         if self._thread.is_alive():
@@ -150,7 +150,6 @@ class PredictorLink:
         asyncio.run(self._main())
 
     async def _main(self) -> None:
-        self._wake, self._stop = asyncio.Event(), asyncio.Event()
         self._loop = asyncio.get_running_loop()
         if self._closing:
             return
@@ -192,19 +191,20 @@ class PredictorLink:
             self._set_connected(True)
             self._ending = False
             loops = [asyncio.create_task(self._publish_loop(broker)), asyncio.create_task(self._receive_loop(sub))]
-            stop = asyncio.create_task(self._stop.wait())  # type: ignore[union-attr]
+            stop = asyncio.create_task(self._stop.wait())
             done, _ = await asyncio.wait([*loops, stop], return_when=asyncio.FIRST_COMPLETED)
             # Both loops notice `_ending` within one short read; cancelling a blocked redis-py read instead
             # can strand it, so cancelling is only the fallback.
             self._ending = True
-            self._wake.set()  # type: ignore[union-attr]
+            self._wake.set()
             await asyncio.wait(loops, timeout=2.0)
             for task in [*loops, stop]:
                 task.cancel()
             await asyncio.gather(*loops, stop, return_exceptions=True)
             for task in loops:
-                if not task.cancelled() and task.exception() is not None:
-                    raise task.exception()  # type: ignore[misc]
+                failure = None if task.cancelled() else task.exception()
+                if failure is not None:
+                    raise failure
         finally:
             await sub.close()
 
@@ -229,8 +229,8 @@ class PredictorLink:
     # ---- the link thread's side ----
     async def _publish_loop(self, broker: Broker) -> None:
         while not self._ending:
-            await self._wake.wait()  # type: ignore[union-attr]
-            self._wake.clear()  # type: ignore[union-attr]
+            await self._wake.wait()
+            self._wake.clear()
             while self._queue and not self._ending:
                 sent_ns, ctx, layers_seen = self._queue[0]
                 batch = pb.ContextBatch(
@@ -246,7 +246,7 @@ class PredictorLink:
             data = await sub.get(timeout=0.25)
             hints = self._hints()
             if hints is None:  # the engine is gone
-                self._stop.set()  # type: ignore[union-attr]
+                self._stop.set()
                 return
             if data is None:
                 continue

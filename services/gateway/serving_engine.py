@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -170,7 +170,7 @@ class OpenAIServing:
         model_name: str,
         arrival: float,
         prompt_param: str,
-    ) -> AsyncIterator[tuple[int, Any]]:
+    ) -> AsyncGenerator[tuple[int, Any], None]:
         """Starts one engine request per job and returns their merged (job index, output) stream.
 
         Returns only once every job has its first output, so admission and validation errors are raised

@@ -77,10 +77,9 @@ def masked(it: IterationContext, seen: int) -> IterationContext:
     probs[seen:] = 0.0
     counts[seen:] = 0.0
     out = TracedIteration(it.request_id, it.iteration, probs, counts, it.embedding, seen, it.num_tokens)
-    inputs = getattr(it, "layer_inputs", None)
-    if inputs is not None:
-        out.layer_inputs = inputs[:, :seen] if seen > 0 else inputs[:, :0]
-        out.token_experts = it.token_experts[:, :seen]  # type: ignore[union-attr]
+    if isinstance(it, TracedIteration) and it.layer_inputs is not None and it.token_experts is not None:
+        out.layer_inputs = it.layer_inputs[:, :seen] if seen > 0 else it.layer_inputs[:, :0]
+        out.token_experts = it.token_experts[:, :seen]
     return out
 
 

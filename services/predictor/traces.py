@@ -79,9 +79,9 @@ def load_hintserve_trace(path: str) -> TraceSet:
         request = requests[int(req[n])]
         it = TracedIteration(request.request_id, int(iteration[n]), probs[n], counts[n], emb[n],
                              num_tokens=int(num_tokens[n]))
-        if offsets is not None and offsets[n + 1] > offsets[n]:
-            it.layer_inputs = inputs[offsets[n]:offsets[n + 1]]  # type: ignore[index]
-            it.token_experts = experts[offsets[n]:offsets[n + 1]]  # type: ignore[index]
+        if offsets is not None and inputs is not None and experts is not None and offsets[n + 1] > offsets[n]:
+            it.layer_inputs = inputs[offsets[n]:offsets[n + 1]]
+            it.token_experts = experts[offsets[n]:offsets[n + 1]]
         request.iterations.append(it)
     return TraceSet(requests, index["num_layers"], index["num_experts"], index["top_k"], index["layer_ids"],
                     index.get("source", path), index.get("model", ""), index.get("notes", ""),

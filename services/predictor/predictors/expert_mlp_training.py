@@ -26,7 +26,7 @@ class ExpertMLPShape(Protocol):
     top_k: int
     first_width: int
     popaff: PopularityAffinityPredictor
-    model: nn.Module
+    model: ExpertMLP
 
 
 def split_requests(requests: list[RequestTrace], fraction: float, seed: int) -> tuple[list, list]:

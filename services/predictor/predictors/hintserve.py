@@ -84,8 +84,8 @@ class HintServePredictor(Predictor):
             if name in HIDDEN_COMPONENTS and not has_hidden:
                 cols.append(np.zeros(self.num_experts, np.float32))  # constant: no effect on the softmax
                 continue
-            if name == "expert-map":
-                scores, sim = comp.scored(query)  # type: ignore[attr-defined]
+            if name == "expert-map" and isinstance(comp, ExpertMapPredictor):  # the search says how similar
+                scores, sim = comp.scored(query)
             else:
                 scores = comp.predict(query)
             p = np.maximum(np.asarray(scores, np.float64), 0.0)
