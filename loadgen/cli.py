@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import sys
+from typing import NoReturn
 
 from loadgen.metrics import format_table
 from loadgen.replay import ReplayConfig, arun_replay
@@ -15,7 +16,7 @@ from loadgen.replay import ReplayConfig, arun_replay
 class _Parser(argparse.ArgumentParser):
     """argparse with a one-line error (its default prints the whole usage first)."""
 
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         sys.exit(2)
 

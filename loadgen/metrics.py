@@ -64,7 +64,7 @@ def compute_metrics(results: list[RequestResult], duration_s: float, slos: dict[
     for r in failed:
         if r.error not in samples and len(samples) < MAX_ERROR_SAMPLES:
             samples.append(r.error)
-    out = {
+    out: dict[str, object] = {
         "completed": len(ok),
         "failed": len(failed),
         "cancelled": sum(1 for r in results if r.error == "cancelled"),

@@ -57,7 +57,8 @@ def load_tokenizer(path: str) -> Any:
 
 
 def has_tokenizer(path: str | None) -> bool:
-    return bool(path) and Path(path).is_dir() and any((Path(path) / f).is_file() for f in TOKENIZER_FILES)
+    return path is not None and bool(path) and Path(path).is_dir() and any(
+        (Path(path) / f).is_file() for f in TOKENIZER_FILES)
 
 
 class PromptBuilder:

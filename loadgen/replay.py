@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import httpx
 from tqdm import tqdm
@@ -55,6 +56,10 @@ class ReplayConfig:
     plot_path: str | None = None
     progress: bool = False
     label: str | None = None  # legend label in the plot
+
+    def goodput_slos(self) -> dict[str, float]:
+        """The goodput SLOs in ms by metric (validate() has turned a ['ttft:ms'] list into this)."""
+        return parse_goodput(self.goodput) if isinstance(self.goodput, list) else dict(self.goodput)
 
     def validate(self) -> None:
         """Raises ValueError with a one-line message for any bad setting; normalises `goodput`."""
@@ -176,8 +181,8 @@ async def arun_replay(cfg: ReplayConfig, stop: asyncio.Event | None = None) -> d
                     break
                 tasks.append(asyncio.create_task(one(i, req, client, run_start)))
             if tasks:
-                gathered = asyncio.gather(*tasks, return_exceptions=True)
-                stopper = asyncio.create_task(stop.wait())
+                gathered: asyncio.Future[Any] = asyncio.gather(*tasks, return_exceptions=True)
+                stopper: asyncio.Future[Any] = asyncio.create_task(stop.wait())
                 await asyncio.wait([gathered, stopper], return_when=asyncio.FIRST_COMPLETED)
                 stopper.cancel()
                 if stop.is_set():
@@ -217,14 +222,14 @@ def _report(cfg: ReplayConfig, requests: list[Request], results: list[RequestRes
         "max_requests": cfg.max_requests,
         "max_context": cfg.max_context,
         "max_concurrency": cfg.max_concurrency,
-        "goodput_slos_ms": dict(cfg.goodput) or None,
+        "goodput_slos_ms": cfg.goodput_slos() or None,
         "num_prompts": len(requests),
         "interrupted": interrupted,
         "max_concurrent_requests": peak,
         "prompts_inexact": inexact,
         "label": cfg.label,
     }
-    return head | compute_metrics(results, duration, dict(cfg.goodput))
+    return head | compute_metrics(results, duration, cfg.goodput_slos())
 
 
 def _write_outputs(cfg: ReplayConfig, result: dict, results: list[RequestResult]) -> None:

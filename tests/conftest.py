@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from services.engine.embedded_predictor import use_embedded_predictor
+from services.predictor.embedded import embedded_service
 from tests.tiny_models import FAMILIES, build_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -34,3 +36,5 @@ def demo_model_dir() -> str:
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Engines built in tests run the embedded predictor as under `hintserve` (services/cli.py installs it).
+    use_embedded_predictor(embedded_service)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from services.cli import build_parser
 from services.docs.bench_tables import render_all, render_directive
 from services.docs.cli_reference import options, subcommands
 from services.docs.generate import BLOCK, generate, hand_written_pages
@@ -37,7 +38,7 @@ def test_site_builds_strictly(tmp_path: Path) -> None:
 
 
 def test_generated_pages_are_fresh() -> None:
-    stale = generate(REPO_ROOT, check=True)
+    stale = generate(REPO_ROOT, build_parser, check=True)
     assert not stale, f"run `hintserve docs generate` and commit: {stale}"
     assert str(REPO_ROOT) not in (DOCS / "reference" / "cli.md").read_text()  # the same in every checkout
 

@@ -1,14 +1,17 @@
-"""No import runs from a lower package to a higher one (every import in every module, function-level too).
+"""No import runs from a lower package to a higher one (every import in every module, function-level too),
+and none hides by name: importlib / __import__ calls are read as imports, and no "package.module:attr"
+import string names another package.
 
 Layers, lowest first: services.common < services.engine < services.predictor < services.gateway <
-services.bench, services.simulator < services.doctor, services.cli < services.docs (bench and simulator are
-peers; docs reads every command's parser). The load generator
+services.bench, services.simulator < services.doctor, services.docs < services.cli (bench and simulator are
+peers; the command line registers every command and hands docs its parser). The load generator
 imports nothing from services but services.common.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -19,9 +22,9 @@ LAYERS: dict[str, int] = {
     "services.gateway": 3,
     "services.bench": 4,
     "services.simulator": 4,
-    "services.cli": 5,
     "services.doctor": 5,
-    "services.docs": 6,
+    "services.docs": 5,
+    "services.cli": 6,
 }
 
 
@@ -63,14 +66,89 @@ def _imports(path: Path) -> list[tuple[int, str]]:
     return out
 
 
+_IMPORT_CALLS = {"import_module", "__import__"}
+_IMPORT_STRING = re.compile(r"^(services|loadgen)(\.\w+)+(:\w+)?$")
+# Calls whose module comes from the user at run time (nothing in the code names it): allowed, with why.
+USER_SUPPLIED = {
+    "services/predictor/hub.py": "--predictor package.module:Class, a user's own predictor",
+    "services/common/protos.py": "the modules it has just generated from protos/*.proto, its own package",
+}
+
+
+def _module_strings(tree: ast.Module) -> dict[str, list[str]]:
+    """Module-level names bound to a string, or to a tuple or list of strings."""
+    out: dict[str, list[str]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            value = node.value
+            items = value.elts if isinstance(value, (ast.Tuple, ast.List)) else [value]
+            if all(isinstance(v, ast.Constant) and isinstance(v.value, str) for v in items):
+                out[node.targets[0].id] = [v.value for v in items]  # type: ignore[attr-defined]
+    return out
+
+
+def _loaded_by_name(path: Path) -> tuple[list[tuple[int, str]], list[str]]:
+    """(line, module) of every importlib.import_module / __import__ call the code names (a literal, an
+    f-string's literal start, a module-level constant), and the calls whose module cannot be read."""
+    tree = ast.parse(path.read_text(), str(path))
+    constants = _module_strings(tree)
+    for loop in ast.walk(tree):  # `for name in NAMES: import_module(name)` reads NAMES
+        if isinstance(loop, ast.For) and isinstance(loop.target, ast.Name) and isinstance(loop.iter, ast.Name):
+            if loop.iter.id in constants:
+                constants[loop.target.id] = constants[loop.iter.id]
+    where = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+    found, unread = [], []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or not node.args:
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+        if name not in _IMPORT_CALLS:
+            continue
+        arg = node.args[0]
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            found.append((node.lineno, arg.value))
+        elif isinstance(arg, ast.JoinedStr) and arg.values:
+            head = arg.values[0]
+            if isinstance(head, ast.Constant):
+                found.append((node.lineno, str(head.value).rstrip(".")))
+            elif isinstance(head, ast.FormattedValue) and isinstance(head.value, ast.Name) \
+                    and head.value.id == "__name__":
+                found.append((node.lineno, _module_name(path)))
+            else:
+                unread.append(f"{where}:{node.lineno}")
+        elif isinstance(arg, ast.Name) and arg.id in constants:
+            found += [(node.lineno, module) for module in constants[arg.id]]
+        else:
+            unread.append(f"{where}:{node.lineno}")
+    return found, unread
+
+
+def _import_strings(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every "package.module[:attr]" string naming a module of services or loadgen that
+    exists (a module to load by name; `-m` arguments of a command line are strings of another kind)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and _IMPORT_STRING.match(node.value):
+            module, _, attr = node.value.partition(":")
+            file = ROOT / module.replace(".", "/")
+            if attr and (file.with_suffix(".py").is_file() or (file / "__init__.py").is_file()):
+                out.append((node.lineno, module))
+    return out
+
+
+def _sources() -> list[Path]:
+    paths = sorted((ROOT / "services").rglob("*.py")) + sorted((ROOT / "loadgen").rglob("*.py"))
+    return [p for p in paths if "_generated" not in p.parts and "generated" not in p.parts]
+
+
 def violations() -> list[str]:
     found = []
-    for path in sorted((ROOT / "services").rglob("*.py")) + sorted((ROOT / "loadgen").rglob("*.py")):
-        if "_generated" in path.parts:
-            continue
+    for path in _sources():
         importer = _module_name(path)
         own = _package(importer)
-        for line, module in _imports(path):
+        by_name = _loaded_by_name(path)[0] + _import_strings(path)
+        for line, module in _imports(path) + by_name:
             target = _package(module)
             if target is None or target == own:
                 continue
@@ -86,3 +164,27 @@ def violations() -> list[str]:
 def test_no_lower_package_imports_a_higher_one() -> None:
     bad = violations()
     assert not bad, "imports against the layering:\n" + "\n".join(bad)
+
+
+def test_what_is_loaded_by_name_is_named_in_the_code() -> None:
+    unread = [where for path in _sources() for where in _loaded_by_name(path)[1]
+              if str(path.relative_to(ROOT)) not in USER_SUPPLIED]
+    assert not unread, "imports by a name the code does not spell (so the layering cannot see them):\n" + \
+        "\n".join(unread)
+
+
+def test_no_import_string_names_another_package() -> None:
+    bad = [f"{path.relative_to(ROOT)}:{line} names {module}" for path in _sources()
+           for line, module in _import_strings(path) if _package(module) != _package(_module_name(path))]
+    assert not bad, "import strings naming another package (pass the object in instead):\n" + "\n".join(bad)
+
+
+def test_the_checks_see_an_import_by_name(tmp_path: Path) -> None:
+    source = tmp_path / "probe.py"
+    source.write_text('import importlib\nNAMES = ("services.docs.cli",)\nLINK = "services.predictor.embedded:f"\n'
+                      'for n in NAMES:\n    importlib.import_module(n)\nimportlib.import_module(f"services.gateway.{n}")\n'
+                      '__import__(input())\n')
+    found, unread = _loaded_by_name(source)
+    assert sorted(m for _, m in found) == ["services.docs.cli", "services.gateway"]
+    assert len(unread) == 1
+    assert [m for _, m in _import_strings(source)] == ["services.predictor.embedded"]

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from services.common.iteration_context import IterationContext, PredictionQuery, RequestTrace, TracedIteration
+from services.common.request_history import RequestHistory
 from services.predictor.eval import masked
 from services.predictor.predictors import PREDICTORS, create_predictor, unavailable_reason
 from services.predictor.predictors.common import fewest_above
@@ -49,7 +50,7 @@ def _queries(trace: TraceSet, distance: int = 1) -> list[tuple[PredictionQuery, 
     for request in trace.requests:
         for i, it in enumerate(request.iterations):
             for t in range(L):
-                out.append((PredictionQuery(request.iterations[:i], masked(it, max(0, t - distance + 1)), t),
+                out.append((PredictionQuery(RequestHistory.of(request.iterations[:i]), masked(it, max(0, t - distance + 1)), t),
                             it.counts[t] > 0))
     return out
 
@@ -138,12 +139,12 @@ def test_expert_map_delta_rule_priorities_and_semantic_search(trace: TraceSet) -
     pred = ExpertMapPredictor(L, E, K)
     pred.fit(trace.requests)
     it = trace.requests[0].iterations[3]
-    q = PredictionQuery(trace.requests[0].iterations[:3], masked(it, 2), 3)
+    q = PredictionQuery(RequestHistory.of(trace.requests[0].iterations[:3]), masked(it, 2), 3)
     experts, prio, score = pred.plan(q)
     assert score > 0.99 and len(experts) == K  # an identical map is stored: delta ~ 0
     assert set(experts) == set(np.flatnonzero(it.counts[3]))
     assert np.allclose(prio, pred.search(q)[0][experts] / 2)  # p / (l - l_now), l_now = layer 1
-    semantic = PredictionQuery([], masked(it, 0), 0)  # nothing routed: search by embedding
+    semantic = PredictionQuery(RequestHistory(), masked(it, 0), 0)  # nothing routed: search by embedding
     assert set(np.argsort(-pred.predict(semantic))[:K]) == set(np.flatnonzero(it.counts[0]))
 
 
@@ -154,11 +155,11 @@ def test_expert_map_similarity_aware_threshold() -> None:
     stored = np.tile(row, (L, 1))
     pred.observe(IterationContext("a", 1, stored, (stored > 0.25).astype(np.float32), np.ones(H, np.float32)))
     same = IterationContext("b", 1, stored, stored, np.ones(H, np.float32))
-    experts, _, score = pred.plan(PredictionQuery([], masked(same, 2), 3))
+    experts, _, score = pred.plan(PredictionQuery(RequestHistory(), masked(same, 2), 3))
     assert np.isclose(score, 1.0) and list(experts) == [0, 1]  # delta = 0: top-k only
     other = np.zeros((L, E), np.float32)
     other[:, 7] = 1.0
-    query = PredictionQuery([], masked(IterationContext("c", 1, other, other, -np.ones(H, np.float32)), 2), 3)
+    query = PredictionQuery(RequestHistory(), masked(IterationContext("c", 1, other, other, -np.ones(H, np.float32)), 2), 3)
     experts, _, score = pred.plan(query)
     assert np.isclose(score, 0.0) and list(experts) == [0, 1, 2, 3]  # delta = 1: all the map's mass
 
@@ -196,7 +197,7 @@ def test_eamc_replaces_most_similar_entry() -> None:
     assert pred.keys == ["a/decode", "b/decode"] and pred.eams[0].sum() == 4
     pred.observe(it("c", [2, 2]))  # closest to b -> replaces b
     assert pred.keys == ["a/decode", "c/decode"]
-    q = PredictionQuery([], masked(it("q", [0, 1]), 1), 1)
+    q = PredictionQuery(RequestHistory(), masked(it("q", [0, 1]), 1), 1)
     assert int(np.argmax(pred.predict(q))) == 1  # matched a on layer 0 -> a's layer-1 expert
     assert np.isclose(pred.predict(q).sum(), 1.0 - (1 - 0) / 2)  # layer proximity 1 - (t - l)/L
 
@@ -221,4 +222,4 @@ def test_constructible_from_shape_alone(name: str) -> None:
     pred = predictor_class(name)(L, E, K)
     it = synthetic_trace(requests=1, iterations=2).requests[0].iterations
     pred.observe(it[0])
-    assert pred.predict(PredictionQuery([it[0]], masked(it[1], 1), 2)).shape == (E,)
+    assert pred.predict(PredictionQuery(RequestHistory.of([it[0]]), masked(it[1], 1), 2)).shape == (E,)

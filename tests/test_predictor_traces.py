@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from services.common.iteration_context import PredictionQuery
+from services.common.request_history import RequestHistory
 from services.predictor.eval import masked
 from services.predictor.predictors.speculative import SpeculativePredictor
 from services.predictor.traces import collect_traces, load_traces, read_prompts, save_traces
@@ -100,7 +101,7 @@ def test_collect_save_load_and_skip_gate_on_tiny_model(tiny_mixtral_dir: str, tm
     for t in range(3):
         scores = spec.predict_from_hidden(b.layer_inputs[:, t].astype(np.float32), t)
         assert set(np.argsort(-scores)[:2]) == set(np.flatnonzero(b.counts[t]))
-    q = PredictionQuery(back.requests[1].iterations[:2], masked(b, 1), 2)
+    q = PredictionQuery(RequestHistory.of(back.requests[1].iterations[:2]), masked(b, 1), 2)
     assert spec.predict(q).shape == (8,)
     back.model_hash = "0" * 16  # weights changed since recording: the skip-gate refuses the trace
     with pytest.raises(ValueError, match="re-collect"):

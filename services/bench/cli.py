@@ -114,6 +114,13 @@ def _quant(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quant_kernels(args: argparse.Namespace) -> int:
+    from services.bench.quant_kernels import run_quant_kernels
+
+    run_quant_kernels(args.out)
+    return 0
+
+
 def _vs_vllm(args: argparse.Namespace) -> int:
     from services.bench.vs_vllm import Workload, run_vs_vllm
 
@@ -263,6 +270,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     quant.add_argument("--prompt-len", type=int, default=32, help="tokens of each prompt (cut from the split)")
     quant.add_argument("--json", default="bench/results/quant.json")
     quant.set_defaults(func=_quant)
+
+    kernels = kinds.add_parser("quant-kernels", help="weight-only int8/int4 matmul kernels on one demo-model expert")
+    kernels.add_argument("--out", default="bench/results", help="folder for quant_kernels.{json,md}")
+    kernels.set_defaults(func=_quant_kernels)
 
     vs_vllm = kinds.add_parser("vs-vllm", help="hintserve serve vs vLLM's server, both driven by vLLM's client")
     vs_vllm.add_argument("--model", default="models/demo-moe")

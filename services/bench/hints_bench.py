@@ -102,7 +102,8 @@ def _start_predictor(url: str, predictor: str, engine_id: str, horizon: int, str
         "--consumer", "bench", "--skip-backlog",
     ]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    line = proc.stderr.readline()  # type: ignore[union-attr]
+    assert proc.stderr is not None  # stderr=PIPE
+    line = proc.stderr.readline()
     if "consuming" not in line:
         proc.kill()
         raise RuntimeError(f"predictor service did not start: {line.strip()}")

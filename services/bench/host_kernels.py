@@ -16,7 +16,7 @@ import dataclasses
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -31,7 +31,7 @@ from services.engine.models.native_linear import NativeLinear
 from services.engine.models.packed_linear import PackedLinear, should_pack
 from services.engine.quant.kernels import packed_linear
 from services.engine.quant.layout import expert_layout
-from services.engine.quant.packed import QuantScheme, pack_matrix
+from services.engine.quant.packed import PackedMatrix, QuantScheme, pack_matrix
 
 FORMATS = ("fp32", "bf16", "int8", "int4")
 GROUP_SIZE = 64  # int4's default --expert-group-size
@@ -86,7 +86,7 @@ def _count(nbytes: int, cycle_bytes: int) -> int:
     return max(_UNIQUE, -(-cycle_bytes // nbytes))
 
 
-def expert_copies(fmt: str, gen: torch.Generator, cycle_bytes: int) -> tuple[list[object], int]:
+def expert_copies(fmt: str, gen: torch.Generator, cycle_bytes: int) -> tuple[Sequence[object], int]:
     """Qwen3-shape experts stored as the engine stores `fmt` (expert_layout's flat buffer each), enough to
     stream `cycle_bytes` per pass, and one expert's bytes. `_UNIQUE` are random, the rest copies of them."""
     expert_dtype = {"fp32": "auto", "bf16": "bf16"}.get(fmt, fmt)
@@ -101,7 +101,7 @@ def expert_copies(fmt: str, gen: torch.Generator, cycle_bytes: int) -> tuple[lis
     return [layout.views(flat) for flat in flats], nbytes
 
 
-def dense_copies(fmt: str, shape: tuple[int, int], gen: torch.Generator, cycle_bytes: int) -> tuple[list[object], int]:
+def dense_copies(fmt: str, shape: tuple[int, int], gen: torch.Generator, cycle_bytes: int) -> tuple[Sequence[object], int]:
     """A dense matrix as the model runs `fmt` (its dense layer: native_linear where the kernels are built,
     else PackedLinear), in enough copies to stream `cycle_bytes` per pass, and one copy's bytes."""
     bases = [torch.randn(*shape, generator=gen) / shape[1] ** 0.5 for _ in range(_UNIQUE)]
@@ -109,7 +109,7 @@ def dense_copies(fmt: str, shape: tuple[int, int], gen: torch.Generator, cycle_b
         layers = [NativeLinear(b, None, fmt, GROUP_SIZE) for b in bases]
         nbytes = layers[0].nbytes
         layers += [_copy(layers[i % _UNIQUE]) for i in range(_UNIQUE, _count(nbytes, cycle_bytes))]
-        return layers, nbytes  # type: ignore[return-value]
+        return layers, nbytes
     if fmt in _DTYPE:
         mats = [b.to(_DTYPE[fmt]) for b in bases]
         nbytes = mats[0].numel() * mats[0].element_size()
@@ -120,7 +120,7 @@ def dense_copies(fmt: str, shape: tuple[int, int], gen: torch.Generator, cycle_b
     nbytes = packed[0].nbytes
     packed += [dataclasses.replace(p, qweight=p.qweight.clone(), scales=p.scales.clone(), _cpu=None)
                for p in (packed[i % _UNIQUE] for i in range(_UNIQUE, _count(nbytes, cycle_bytes)))]
-    return packed, nbytes  # type: ignore[return-value]
+    return packed, nbytes
 
 
 def _copy(layer: NativeLinear) -> NativeLinear:
@@ -138,10 +138,11 @@ def dense_call(x: torch.Tensor, weights: object) -> torch.Tensor:
         return weights(x)
     if isinstance(weights, PackedLinear):
         return weights(x if x.dtype == weights.weight.dtype else x.to(weights.weight.dtype))
-    return packed_linear(x, weights)  # type: ignore[arg-type]
+    assert isinstance(weights, PackedMatrix)  # what dense_copies makes when neither of the above
+    return packed_linear(x, weights)
 
 
-def time_cycle(call: Callable[[torch.Tensor, object], object], weights: list[object], x: torch.Tensor,
+def time_cycle(call: Callable[[torch.Tensor, object], object], weights: Sequence[object], x: torch.Tensor,
                min_seconds: float) -> float:
     """Seconds per call, cycling through `weights` (one warm pass first); passes until `min_seconds`, median."""
     for w in weights:

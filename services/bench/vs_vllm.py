@@ -70,11 +70,12 @@ def _start_server(name: str, model: str, port: int, vllm_python: str | None, log
         cmd = [sys.executable, "-m", "services.cli", "serve", "--model", model, "--port", str(port)]
         env = {**os.environ, "HINTSERVE_API_KEYS": ""}
     else:
+        assert vllm_python is not None  # vLLM runs only where vllm_importable(vllm_python)
         cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name",
                SERVED_NAME, "--dtype", "float32", "--port", str(port)]
         env = {**VLLM_ENV, **os.environ}
     with open(log_path, "w") as log:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)  # type: ignore[arg-type]
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -161,7 +162,8 @@ def run_vs_vllm(
 def _client(with_vllm: bool, vllm_python: str | None, url: str, model: str, load: Workload):
     """(concurrency, prompts) -> the client's result dict: vLLM's client where vLLM runs, else our loadgen."""
     if with_vllm:
-        return lambda c, n: _vllm_client(vllm_python, url, model, load, c, n)  # type: ignore[arg-type]
+        assert vllm_python is not None  # with_vllm: vllm_importable(vllm_python)
+        return lambda c, n: _vllm_client(vllm_python, url, model, load, c, n)
     return lambda c, n: _loadgen_client(url, model, load, c, n)
 
 

@@ -17,11 +17,19 @@ Every method raises `BrokerUnavailable` when the broker cannot be reached, so ca
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import NamedTuple
 
 CONTEXT_STREAM = "hintserve:ctx"
 HINT_CHANNEL_PREFIX = "hintserve:hints:"
 PREDICTOR_GROUP = "hintserve-predictor"
 DEFAULT_STREAM_MAXLEN = 1_000  # a few seconds of steps: older contexts are stale, and a Mixtral batch of 8 is ~150 KB
+
+
+class StreamEntry(NamedTuple):
+    """One stream entry as read back: its id ("<ms>-<seq>") and its payload (serialised protobuf)."""
+
+    entry_id: str
+    payload: bytes
 
 
 def entry_key(entry_id: str) -> tuple[int, int]:
@@ -79,7 +87,7 @@ class Broker(ABC):
     async def stream_read_group(
         self, stream: str, group: str, consumer: str, count: int = 64, block_ms: int | None = 100,
         pending: bool = False,
-    ) -> list[tuple[str, bytes]]:
+    ) -> list[StreamEntry]:
         """Entries for `consumer`: new ones (waiting up to `block_ms`), or with `pending` the ones it was
         given before but never acknowledged (what a restarted consumer must redo). Recreates a group the
         broker lost (e.g. a Redis restart without persistence)."""
@@ -88,7 +96,7 @@ class Broker(ABC):
     async def stream_ack(self, stream: str, group: str, ids: list[str]) -> None: ...
 
     @abstractmethod
-    async def stream_range(self, stream: str, after_id: str, count: int = 256) -> list[tuple[str, bytes]]:
+    async def stream_range(self, stream: str, after_id: str, count: int = 256) -> list[StreamEntry]:
         """Up to `count` entries with ids after `after_id`, oldest first, whether delivered or not (replay)."""
 
     @abstractmethod

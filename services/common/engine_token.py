@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hmac
 import os
+from collections.abc import Iterable
 
 ENGINE_TOKEN_ENV = "HINTSERVE_ENGINE_TOKEN"
 
@@ -20,10 +21,10 @@ def token_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
     return (("authorization", f"Bearer {token}"),) if token else None
 
 
-def token_matches(metadata: object, token: str) -> bool:
+def token_matches(metadata: Iterable[tuple[str, object]] | None, token: str) -> bool:
     """Whether the call's metadata carries `token` (compared in constant time)."""
     sent = ""
-    for key, value in metadata or ():  # type: ignore[attr-defined]
+    for key, value in metadata or ():
         if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
             sent = value[len("Bearer ") :]
     return hmac.compare_digest(sent.encode(), token.encode())

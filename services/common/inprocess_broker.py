@@ -12,7 +12,7 @@ import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from services.common.broker import DEFAULT_STREAM_MAXLEN, Broker, BrokerUnavailable, Subscription
+from services.common.broker import DEFAULT_STREAM_MAXLEN, Broker, BrokerUnavailable, StreamEntry, Subscription
 
 _SUBSCRIBER_BUFFER = 10_000  # a subscriber that stops reading loses its oldest messages, never blocks us
 
@@ -147,7 +147,7 @@ class InProcessBroker(Broker):
     async def stream_read_group(
         self, stream: str, group: str, consumer: str, count: int = 64, block_ms: int | None = 100,
         pending: bool = False,
-    ) -> list[tuple[str, bytes]]:
+    ) -> list[StreamEntry]:
         for attempt in range(2):
             with self._lock:
                 self._check()
@@ -158,7 +158,7 @@ class InProcessBroker(Broker):
                     gone = [q for q in mine if q not in s.entries]  # trimmed by maxlen: nothing to redo
                     for q in gone:
                         del mine[q]
-                    return [(_entry_id(q), s.entries[q]) for q in list(mine)[:count]]
+                    return [StreamEntry(_entry_id(q), s.entries[q]) for q in list(mine)[:count]]
                 new = []
                 for q in reversed(s.entries):  # newest first: stop at the first delivered one
                     if q <= g.last_delivered:
@@ -170,7 +170,7 @@ class InProcessBroker(Broker):
                         mine[q] = None
                     if new:
                         g.last_delivered = new[-1]
-                    return [(_entry_id(q), s.entries[q]) for q in new]
+                    return [StreamEntry(_entry_id(q), s.entries[q]) for q in new]
                 fut = s.waiters.add()
             await _wait(fut, block_ms / 1000)
         return []
@@ -186,12 +186,12 @@ class InProcessBroker(Broker):
                 for mine in g.pending.values():
                     mine.pop(seq, None)
 
-    async def stream_range(self, stream: str, after_id: str, count: int = 256) -> list[tuple[str, bytes]]:
+    async def stream_range(self, stream: str, after_id: str, count: int = 256) -> list[StreamEntry]:
         after = _seq(after_id)
         with self._lock:
             self._check()
             s = self._streams.get(stream, _Stream())
-            return [(_entry_id(q), data) for q, data in s.entries.items() if q > after][:count]
+            return [StreamEntry(_entry_id(q), data) for q, data in s.entries.items() if q > after][:count]
 
     async def group_last_delivered(self, stream: str, group: str) -> str | None:
         with self._lock:

@@ -9,8 +9,12 @@ request and one iteration (iteration 0 = prefill, then one per generated token).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:  # request_history builds on IterationContext; the query only names it
+    from services.common.request_history import RequestHistory
 
 
 @dataclass
@@ -53,7 +57,7 @@ class RequestTrace:
 class PredictionQuery:
     """Predict `target_layer` of the `current` iteration, knowing its first `current.layers_seen` layers."""
 
-    history: list[IterationContext]  # this request's earlier iterations, oldest first
+    history: RequestHistory  # this request's earlier iterations: the last one, and the decode counts so far
     current: IterationContext  # probs/counts valid for layers < layers_seen; embedding always valid
     target_layer: int
 

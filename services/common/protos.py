@@ -31,6 +31,7 @@ import tempfile
 import warnings
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 _COMMON_DIR = Path(__file__).resolve().parent
 GENERATED_DIR = _COMMON_DIR / "generated"
@@ -121,6 +122,12 @@ for _stem in _STEMS:
     setattr(sys.modules[__name__], f"{_stem}_pb2_grpc", _pb2_grpc)
     __all__ += [f"{_stem}_pb2", f"{_stem}_pb2_grpc"]
 
-# Explicit names for the engine API so static tools and readers see them.
-engine_pb2: ModuleType = sys.modules[f"{_GENERATED_PACKAGE}.engine_pb2"]
-engine_pb2_grpc: ModuleType = sys.modules[f"{_GENERATED_PACKAGE}.engine_pb2_grpc"]
+# Explicit names for the engine and predictor APIs so static tools and readers see them (the type checker
+# skips the generated code: to it they are untyped modules).
+if TYPE_CHECKING:
+    from services.common.generated import engine_pb2, engine_pb2_grpc, predictor_pb2, predictor_pb2_grpc
+else:
+    engine_pb2 = sys.modules[f"{_GENERATED_PACKAGE}.engine_pb2"]
+    engine_pb2_grpc = sys.modules[f"{_GENERATED_PACKAGE}.engine_pb2_grpc"]
+    predictor_pb2 = sys.modules[f"{_GENERATED_PACKAGE}.predictor_pb2"]
+    predictor_pb2_grpc = sys.modules[f"{_GENERATED_PACKAGE}.predictor_pb2_grpc"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import cast
 
 import redis.asyncio as redis
 from redis.asyncio.retry import Retry
@@ -11,10 +12,16 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from services.common.broker import DEFAULT_STREAM_MAXLEN, Broker, BrokerUnavailable, Subscription
+from services.common.broker import DEFAULT_STREAM_MAXLEN, Broker, BrokerUnavailable, StreamEntry, Subscription
 
 _DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
 _FIELD = b"d"  # one field per entry: the protobuf payload
+# What XREADGROUP answers: per stream, its entries (id, fields; fields None once MAXLEN dropped a pending one).
+_GroupReply = list[tuple[bytes, list[tuple[bytes, "dict[bytes, bytes] | None"]]]]
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 class _RedisSubscription(Subscription):
@@ -47,18 +54,19 @@ class _RedisSubscription(Subscription):
 class RedisBroker(Broker):
     def __init__(self, url: str, connect_timeout_s: float = 0.5, socket_timeout_s: float = 5.0) -> None:
         self.url = url
-        self._options = dict(
-            # No client-side retries: callers own the backoff, and a retry loop here would hide outages
-            # for seconds. socket_timeout must exceed the longest XREADGROUP BLOCK we issue (1 s).
-            socket_connect_timeout=connect_timeout_s,
-            socket_timeout=socket_timeout_s,
-            retry=Retry(NoBackoff(), 0),
-            health_check_interval=0,
-        )
+        self._connect_timeout_s, self._socket_timeout_s = connect_timeout_s, socket_timeout_s
         # One pool per role: blocking reads and pub-sub connections never share a pool with the short
         # commands (closing a pub-sub connection there has been seen to strand a concurrent blocked read).
-        self._client = redis.Redis.from_url(url, **self._options)
-        self._reader = redis.Redis.from_url(url, **self._options)
+        self._client = self._connect()
+        self._reader = self._connect()
+
+    def _connect(self) -> redis.Redis:
+        # No client-side retries: callers own the backoff, and a retry loop here would hide outages
+        # for seconds. socket_timeout must exceed the longest XREADGROUP BLOCK we issue (1 s).
+        return redis.Redis.from_url(
+            self.url, socket_connect_timeout=self._connect_timeout_s, socket_timeout=self._socket_timeout_s,
+            retry=Retry(NoBackoff(), 0), health_check_interval=0,
+        )
 
     async def ping(self) -> None:
         try:
@@ -73,7 +81,7 @@ class RedisBroker(Broker):
             raise BrokerUnavailable(f"redis {self.url}: {exc}") from exc
 
     async def subscribe(self, channel: str) -> Subscription:
-        client = redis.Redis.from_url(self.url, **self._options)
+        client = self._connect()
         sub = _RedisSubscription(client, client.pubsub(ignore_subscribe_messages=True))
         try:
             await sub._pubsub.subscribe(channel)
@@ -88,7 +96,7 @@ class RedisBroker(Broker):
             entry = await self._client.xadd(stream, {_FIELD: data}, maxlen=maxlen, approximate=True)
         except _DOWN as exc:
             raise BrokerUnavailable(f"redis {self.url}: {exc}") from exc
-        return entry.decode()
+        return _text(entry)
 
     async def ensure_group(self, stream: str, group: str, start: str = "$") -> None:
         try:
@@ -102,13 +110,14 @@ class RedisBroker(Broker):
     async def stream_read_group(
         self, stream: str, group: str, consumer: str, count: int = 64, block_ms: int | None = 100,
         pending: bool = False,
-    ) -> list[tuple[str, bytes]]:
+    ) -> list[StreamEntry]:
+        reply: _GroupReply = []
         for attempt in range(2):
             try:
-                reply = await self._reader.xreadgroup(
+                reply = cast(_GroupReply, await self._reader.xreadgroup(
                     group, consumer, {stream: "0" if pending else ">"}, count=count,
                     block=None if pending else block_ms,
-                )
+                ))
                 break
             except ResponseError as exc:
                 # NOGROUP: Redis restarted without persistence (or the stream was deleted). Start over
@@ -118,14 +127,14 @@ class RedisBroker(Broker):
                 await self.ensure_group(stream, group, start="0")
             except _DOWN as exc:
                 raise BrokerUnavailable(f"redis {self.url}: {exc}") from exc
-        out: list[tuple[str, bytes]] = []
+        out: list[StreamEntry] = []
         trimmed: list[str] = []
         for _, entries in reply or []:
             for entry_id, fields in entries:
                 if fields is None or _FIELD not in fields:
-                    trimmed.append(entry_id.decode())  # pending, but MAXLEN already dropped it
+                    trimmed.append(_text(entry_id))  # pending, but MAXLEN already dropped it
                 else:
-                    out.append((entry_id.decode(), fields[_FIELD]))
+                    out.append(StreamEntry(_text(entry_id), fields[_FIELD]))
         if trimmed:
             await self.stream_ack(stream, group, trimmed)
         return out
@@ -138,12 +147,13 @@ class RedisBroker(Broker):
         except _DOWN as exc:
             raise BrokerUnavailable(f"redis {self.url}: {exc}") from exc
 
-    async def stream_range(self, stream: str, after_id: str, count: int = 256) -> list[tuple[str, bytes]]:
+    async def stream_range(self, stream: str, after_id: str, count: int = 256) -> list[StreamEntry]:
         try:
-            reply = await self._client.xrange(stream, min=f"({after_id}", max="+", count=count)
+            reply = cast(list[tuple[bytes, dict[bytes, bytes]]],
+                         await self._client.xrange(stream, min=f"({after_id}", max="+", count=count))
         except _DOWN as exc:
             raise BrokerUnavailable(f"redis {self.url}: {exc}") from exc
-        return [(entry_id.decode(), fields[_FIELD]) for entry_id, fields in reply if _FIELD in fields]
+        return [StreamEntry(_text(entry_id), fields[_FIELD]) for entry_id, fields in reply if _FIELD in fields]
 
     async def group_last_delivered(self, stream: str, group: str) -> str | None:
         try:

@@ -16,7 +16,7 @@ def _generate(args: argparse.Namespace) -> int:
     root = Path(args.root) if args.root else ROOT
     if not (root / "bench" / "results").is_dir():
         raise FileNotFoundError(f"no bench/results in {root}: pass the repository root with --root")
-    stale = generate(root, check=args.check)
+    stale = generate(root, args.build_parser, check=args.check)  # the whole command line's, set by services/cli.py
     for path in stale:
         print(f"{'stale' if args.check else 'wrote'}: {path}", file=sys.stderr if args.check else sys.stdout)
     if args.check and stale:

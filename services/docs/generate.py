@@ -13,19 +13,21 @@ computed, deterministic); the other kinds are bench_tables.render_directive's.
 
 from __future__ import annotations
 
+import argparse
 import re
 from collections.abc import Callable
 from pathlib import Path
 
 from services.docs import bench_tables, cli_reference, dashboards, headlines, http_api, knobs
 
+GENERATED_PAGES = ("docs/reference/cli.md", "docs/reference/knobs.md", "docs/reference/http-api.md",
+                   "docs/reference/benchmark-results.md")
 BLOCK = re.compile(r"(<!-- generated: (?P<directive>[^>]*?) -->\n)(?P<body>.*?)(<!-- end generated -->)", re.S)
 
 
-def _pages(root: Path) -> dict[str, Callable[[], str]]:
-    """Whole generated pages, relative to the repository root."""
-    from services.cli import build_parser
-
+def _pages(root: Path, build_parser: Callable[[], argparse.ArgumentParser]) -> dict[str, Callable[[], str]]:
+    """Whole generated pages, relative to the repository root. `build_parser` is the command line's: it is
+    passed down (services/cli.py sits above this package and registers its command)."""
     results = root / "bench" / "results"
     return {
         "docs/reference/cli.md": lambda: cli_reference.render(build_parser()),
@@ -58,13 +60,15 @@ def fill_blocks(text: str, root: Path) -> str:
 
 
 def hand_written_pages(root: Path) -> list[Path]:
-    generated = {root / p for p in _pages(root)}
+    generated = {root / p for p in GENERATED_PAGES}
     return [root / "README.md", *(p for p in sorted((root / "docs").rglob("*.md")) if p not in generated)]
 
 
-def generate(root: Path, check: bool = False) -> list[str]:
+def generate(root: Path, build_parser: Callable[[], argparse.ArgumentParser], check: bool = False) -> list[str]:
     """Writes every generated page and block; with `check`, writes nothing and returns the stale paths."""
-    wanted = {root / path: render() + "\n" for path, render in _pages(root).items()}
+    pages = _pages(root, build_parser)
+    assert set(pages) == set(GENERATED_PAGES)
+    wanted = {root / path: render() + "\n" for path, render in pages.items()}
     for page in hand_written_pages(root):
         if page.is_file():
             wanted[page] = fill_blocks(page.read_text(), root)

@@ -15,9 +15,12 @@ import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
+from services.engine import core_messages
 from services.engine.config import EngineConfig
-from services.engine.engine_core import CoreOutput, engine_core_main, run_engine_core
+from services.engine.embedded_predictor import embedded_predictor
+from services.engine.engine_core import engine_core_main, run_engine_core
 from services.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from services.engine.input_processor import (
     INLINE_TOKENIZE_CHARS,
@@ -56,8 +59,8 @@ class AsyncLLMEngine:
         self._model_info: dict[str, object] = {}
         self._stats: dict[str, float] = {}
         self._core: multiprocessing.process.BaseProcess | threading.Thread | None = None
-        self._to_core = None
-        self._from_core = None
+        self._to_core: Connection | None = None
+        self._from_core: Connection | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: EngineDeadError | None = None
         self._dead: asyncio.Event | None = None  # set when the core fails: the serving process should exit
@@ -85,7 +88,9 @@ class AsyncLLMEngine:
         else:
             ctx = multiprocessing.get_context("spawn")  # fork would copy this process's threads and locks
             self._core = ctx.Process(
-                target=engine_core_main, args=(self.config, core_in, core_out), name="hintserve-engine-core",
+                # The embedded predictor's factory goes along: a spawned process starts without it.
+                target=engine_core_main, args=(self.config, core_in, core_out, embedded_predictor()),
+                name="hintserve-engine-core",
                 daemon=True,
             )
         self._core.start()
@@ -94,14 +99,16 @@ class AsyncLLMEngine:
             core_out.close()
         self._to_core, self._from_core = to_core, from_core
         try:
-            ready = await asyncio.to_thread(from_core.recv)
+            ready = await asyncio.to_thread(core_messages.recv_message, from_core)
         except EOFError:
-            ready = ("dead", "engine core process exited while loading the model", False)
-        if ready[0] != "ready":
+            ready = core_messages.CoreDead("engine core process exited while loading the model", False)
+        if not isinstance(ready, core_messages.CoreReady):
             await self._reap()
-            raise (ValueError if ready[2] else RuntimeError)(ready[1])
-        limits, self._model_info, self._stats = ready[1:]
-        self.input_processor = InputProcessor(self.tokenizer, limits)
+            user_error = isinstance(ready, core_messages.CoreDead) and ready.user_error
+            message = ready.message if isinstance(ready, core_messages.CoreDead) else f"engine core sent {ready!r}"
+            raise (ValueError if user_error else RuntimeError)(message)
+        self._model_info, self._stats = ready.model_info, ready.stats
+        self.input_processor = InputProcessor(self.tokenizer, ready.limits)
         self._loop.add_reader(from_core.fileno(), self._on_core_message)
         if self.config.step_watchdog_s:
             self._watchdog = StepWatchdog(self.config.step_watchdog_s, lambda: bool(self._requests), self._stalled)
@@ -115,10 +122,11 @@ class AsyncLLMEngine:
             self._watchdog_task.cancel()
             await asyncio.gather(self._watchdog_task, return_exceptions=True)
         self._stop_reading()
-        try:
-            self._to_core.send(("stop",))  # type: ignore[union-attr]
-        except (BrokenPipeError, OSError):
-            pass
+        if self._to_core is not None:
+            try:
+                core_messages.send(self._to_core, core_messages.StopCore())
+            except (BrokenPipeError, OSError):
+                pass
         for request_id, req in list(self._requests.items()):
             self._finish_locally(request_id, req, "abort")
         if self._tokenize_pool is not None:
@@ -184,7 +192,7 @@ class AsyncLLMEngine:
         if self._watchdog is not None:
             self._watchdog.work_arrived(was_idle=not self._requests)
         self._requests[request_id] = req
-        self._send(("add", request_id, seq.serial, seq.token_ids, params))
+        self._send(core_messages.AddRequest(request_id, seq.serial, seq.token_ids, params))
         try:
             while True:
                 item = await req.queue.get()
@@ -199,22 +207,25 @@ class AsyncLLMEngine:
             if self._requests.get(request_id) is req:
                 del self._requests[request_id]
             if not req.finished and self._error is None:
-                self._send(("abort", request_id, req.serial, "abort"))
+                self._send(core_messages.AbortRequest(request_id, req.serial, "abort"))
 
     def abort(self, request_id: str) -> bool:
         """Aborts an in-flight request; its stream ends with finish_reason "abort"."""
         req = self._requests.get(request_id)
         if req is None or req.finished:
             return False
-        self._send(("abort", request_id, req.serial, "abort"))
+        self._send(core_messages.AbortRequest(request_id, req.serial, "abort"))
         return True
 
-    def _send(self, msg: tuple) -> None:
+    def _send(self, msg: core_messages.CoreRequest) -> None:
         try:
-            self._to_core.send(msg)  # type: ignore[union-attr]
-        except (BrokenPipeError, OSError, AttributeError) as exc:
+            if self._to_core is None:
+                raise BrokenPipeError("the pipe to the core is closed")
+            core_messages.send(self._to_core, msg)
+        except (BrokenPipeError, OSError) as exc:
             self._core_died(f"engine core is gone: {exc!r}")
-            raise self._error from exc  # type: ignore[misc]
+            assert self._error is not None  # _core_died set it
+            raise self._error from exc
 
     # ---- what the core sends ----
     def _on_core_message(self) -> None:
@@ -223,23 +234,22 @@ class AsyncLLMEngine:
             self._watchdog.progress()
         try:
             while conn is not None and conn.poll():
-                msg = conn.recv()
-                kind = msg[0]
-                if kind == "outputs":
-                    for out in msg[1]:
+                msg = core_messages.recv_message(conn)
+                if isinstance(msg, core_messages.CoreOutputs):
+                    for out in msg.outputs:
                         self._on_output(out)
-                    if msg[2] is not None:
-                        self._stats = msg[2]
-                elif kind == "stats":
-                    self._stats = msg[1]
-                elif kind == "dead":
-                    self._core_died(msg[1])
+                    if msg.stats is not None:
+                        self._stats = msg.stats
+                elif isinstance(msg, core_messages.CoreStats):
+                    self._stats = msg.stats
+                elif isinstance(msg, core_messages.CoreDead):
+                    self._core_died(msg.message)
                     return
         except (EOFError, OSError):
             self._core_died("engine core process exited")
 
-    def _on_output(self, out: CoreOutput) -> None:
-        request_id, serial, token, prompt_tokens, completion_tokens, reason, error = out
+    def _on_output(self, out: core_messages.CoreOutput) -> None:
+        request_id, serial, token, reason = out.request_id, out.serial, out.token_id, out.finish_reason
         req = self._requests.get(request_id)
         if req is None or req.serial != serial or req.finished:
             return  # a stream already closed (or reused under the same id): nothing waits for this
@@ -248,11 +258,12 @@ class AsyncLLMEngine:
             text, text_reason = text_delta(req.text, req.stop, token, reason)
             if text_reason != reason:  # a stop string the core cannot see: end the request there
                 reason = text_reason
-                self._send(("abort", request_id, serial, "stop"))
+                self._send(core_messages.AbortRequest(request_id, serial, "stop"))
         req.finished = reason is not None
         tokens = [] if token is None else [token]
         req.queue.put_nowait(RequestOutput(
-            request_id, text, tokens, prompt_tokens, completion_tokens, req.finished, reason, serial, error=error
+            request_id, text, tokens, out.prompt_tokens, out.completion_tokens, req.finished, reason, serial,
+            error=out.error,
         ))
 
     def _finish_locally(self, request_id: str, req: _Request, reason: str) -> None:

@@ -15,7 +15,9 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        text = self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        assert isinstance(text, str)  # one sequence of ids decodes to one string
+        return text
 
     def step(self, token_id: int) -> str:
         """Adds one token; returns the new text it completes (possibly empty)."""

@@ -2,18 +2,7 @@
 
 It runs in its own process under `hintserve serve` and `hintserve engine`, so the model never shares a GIL with
 HTTP, SSE, gRPC or detokenisation; `AsyncLLMEngine` (the frontend) tokenises, detokenises and streams. The
-messages are plain tuples (pickled by `multiprocessing.Connection`):
-
-  frontend -> core   ("add", request_id, serial, prompt_token_ids, params)
-                     ("abort", request_id, serial, reason)     reason "stop": the frontend saw a stop string
-                     ("stop",)                                 abort everything and exit
-  core -> frontend   ("ready", EngineLimits, model_info, stats)
-                     ("outputs", [CoreOutput, ...], stats or None)
-                     ("stats", stats)                          whenever the core goes idle
-                     ("dead", message, user_error)             the loop failed (or the model did not load;
-                                                               user_error: a bad model dir or setting)
-
-A CoreOutput is (request_id, serial, token_id or None, prompt_tokens, completion_tokens, finish_reason, error).
+messages, typed and sent as MessagePack, are in core_messages.py.
 """
 
 from __future__ import annotations
@@ -24,7 +13,21 @@ import sys
 import time
 from multiprocessing.connection import Connection
 
+from services.engine import core_messages
 from services.engine.config import EngineConfig
+from services.engine.core_messages import (
+    AbortRequest,
+    AddRequest,
+    CoreDead,
+    CoreMessage,
+    CoreOutput,
+    CoreOutputs,
+    CoreReady,
+    CoreRequest,
+    CoreStats,
+    StopCore,
+)
+from services.engine.embedded_predictor import EmbeddedPredictorFactory, use_embedded_predictor
 from services.engine.errors import InvalidRequestError
 from services.engine.llm_engine import LLMEngine
 from services.engine.outputs import RequestOutput
@@ -36,13 +39,11 @@ log = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.25  # while busy, stats ride along with outputs this often, and with every finish
 
-CoreOutput = tuple[str, int, "int | None", int, int, "str | None", "str | None"]
-
 
 def _core_output(out: RequestOutput) -> CoreOutput:
     token = out.delta_token_ids[0] if out.delta_token_ids else None
-    return (out.request_id, out.seq_serial, token, out.prompt_tokens, out.completion_tokens, out.finish_reason,
-            out.error)
+    return CoreOutput(out.request_id, out.seq_serial, token, out.prompt_tokens, out.completion_tokens,
+                      out.finish_reason, out.error)
 
 
 class EngineCore:
@@ -54,14 +55,14 @@ class EngineCore:
         self._heartbeat_due = 0.0  # the frontend's step watchdog hears from a busy core at least this often
 
     def run(self) -> None:
-        """Steps while there is work, blocks on the pipe when there is none; returns on ("stop",) or EOF."""
+        """Steps while there is work, blocks on the pipe when there is none; returns on StopCore or EOF."""
         engine, requests = self.engine, self.requests
         while True:
             if not engine.has_unfinished():
-                self.outputs.send(("stats", engine.stats()))
+                core_messages.send(self.outputs, CoreStats(engine.stats()))
                 requests.poll(None)
             while requests.poll():
-                if not self._handle(requests.recv()):  # EOFError: the frontend is gone; so are we
+                if not self._handle(core_messages.recv_request(requests)):  # EOFError: the frontend is gone; so are we
                     return
             if engine.has_unfinished():
                 outputs = engine.step()
@@ -69,7 +70,7 @@ class EngineCore:
                     self._send_outputs(outputs)
                 elif time.monotonic() >= self._heartbeat_due:  # a step without outputs (a prefill chunk)
                     self._heartbeat_due = time.monotonic() + HEARTBEAT_S
-                    self.outputs.send(("stats", engine.stats()))
+                    core_messages.send(self.outputs, CoreStats(engine.stats()))
 
     def _send_outputs(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
@@ -78,18 +79,16 @@ class EngineCore:
         if now >= self._stats_due or any(o.finished for o in outputs):  # a finish frees blocks, bumps counters
             self._stats_due = now + STATS_INTERVAL_S
             stats = self.engine.stats()
-        self.outputs.send(("outputs", [_core_output(o) for o in outputs], stats))
+        core_messages.send(self.outputs, CoreOutputs([_core_output(o) for o in outputs], stats))
 
-    def _handle(self, msg: tuple) -> bool:
-        kind = msg[0]
-        if kind == "add":
-            _, request_id, serial, token_ids, params = msg
-            self._add(request_id, serial, token_ids, params)
-        elif kind == "abort":
-            out = self.engine.abort_request(msg[1], msg[2], msg[3])
+    def _handle(self, msg: CoreRequest) -> bool:
+        if isinstance(msg, AddRequest):
+            self._add(msg.request_id, msg.serial, msg.prompt_token_ids, msg.params)
+        elif isinstance(msg, AbortRequest):
+            out = self.engine.abort_request(msg.request_id, msg.serial, msg.reason)
             if out is not None:
                 self._send_outputs([out])
-        elif kind == "stop":
+        elif isinstance(msg, StopCore):
             outs = [self.engine.abort_request(rid) for rid in list(self.engine._streams)]
             self._send_outputs([o for o in outs if o is not None])
             return False
@@ -105,40 +104,45 @@ class EngineCore:
                                               error=str(exc))])
 
 
-def run_engine_core(config: EngineConfig, requests: Connection, outputs: Connection) -> int:
-    """Loads the model, says ("ready", ...) and runs the loop; 1 if loading or the loop failed (said "dead")."""
+def run_engine_core(config: EngineConfig, requests: Connection, outputs: Connection,
+                    embedded: EmbeddedPredictorFactory | None = None) -> int:
+    """Loads the model, says CoreReady and runs the loop; 1 if loading or the loop failed (said CoreDead).
+    `embedded`: the frontend's embedded predictor factory, for a core in a process of its own."""
+    if embedded is not None:
+        use_embedded_predictor(embedded)
     try:
         engine = LLMEngine(config, detokenize=False)
         # Served shapes vary step to step: build every kernel now, not during the first requests (~0.5 s).
         engine.model.warm_up(config.max_num_batched_tokens, config.max_num_seqs)
     except Exception as exc:
         log.exception("engine core failed to start")
-        _say(outputs, ("dead", f"engine failed to start: {exc}", isinstance(exc, (ValueError, FileNotFoundError))))
+        _say(outputs, CoreDead(f"engine failed to start: {exc}", isinstance(exc, (ValueError, FileNotFoundError))))
         return 1
     try:
-        outputs.send(("ready", engine.limits, engine.model_info(), engine.stats()))
+        core_messages.send(outputs, CoreReady(engine.limits, engine.model_info(), engine.stats()))
         EngineCore(engine, requests, outputs).run()
     except (BrokenPipeError, EOFError, ConnectionResetError):
         return 0  # the frontend went away first
     except Exception as exc:  # a bug or device failure no single request explains: stop, loudly
         log.exception("engine core loop failed")
-        _say(outputs, ("dead", f"engine loop failed: {exc!r}", False))
+        _say(outputs, CoreDead(f"engine loop failed: {exc!r}", False))
         return 1
     finally:
         engine.close()
     return 0
 
 
-def _say(outputs: Connection, msg: tuple) -> None:
+def _say(outputs: Connection, msg: CoreMessage) -> None:
     try:
-        outputs.send(msg)
+        core_messages.send(outputs, msg)
     except (BrokenPipeError, ConnectionResetError):
         pass
 
 
-def engine_core_main(config: EngineConfig, requests: Connection, outputs: Connection) -> None:
+def engine_core_main(config: EngineConfig, requests: Connection, outputs: Connection,
+                     embedded: EmbeddedPredictorFactory | None = None) -> None:
     """The core process's entry point (spawned): Ctrl-C goes to the frontend, which stops us in order."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="[hintserve core] %(levelname)s %(name)s: %(message)s")
     logging.getLogger("torchao").setLevel(logging.ERROR)  # optional CUDA kernels it cannot load on CPU
-    sys.exit(run_engine_core(config, requests, outputs))
+    sys.exit(run_engine_core(config, requests, outputs, embedded))

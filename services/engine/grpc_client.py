@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import grpc
@@ -62,7 +62,7 @@ class EngineClient:
 
     async def generate(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
-    ) -> AsyncIterator[Any]:
+    ) -> AsyncGenerator[Any, None]:
         request = engine_pb2.GenerateRequest(
             request_id=request_id, sampling=params_to_proto(params or SamplingParams())
         )

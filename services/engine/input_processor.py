@@ -101,4 +101,6 @@ def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> str:
     if not has_chat_template(tokenizer):
         raise InvalidRequestError("this model's tokenizer has no chat template; use completions")
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert isinstance(text, str)  # tokenize=False: the rendered prompt
+    return text

@@ -8,7 +8,8 @@ appends them to the Stream `hintserve:ctx`, and feeds hints from `hintserve:hint
 HintPrefetcher. If the broker goes away the engine keeps serving with its local prefetchers; the link
 reconnects with exponential backoff and logs each state change once.
 
-Without --redis-url the link runs the predictor service itself, on an in-process broker in its thread.
+Without --redis-url the link runs the predictor service itself (the factory the command line installed,
+embedded_predictor.py), on an in-process broker in its thread.
 `start_predictor_link` wires one up: it watches the model runner's steps (ModelRunner.step_observers and
 layer_observers, the one observer mechanism) and feeds the offload policy's HintPrefetcher.
 """
@@ -16,7 +17,6 @@ layer_observers, the one observer mechanism) and feeds the offload policy's Hint
 from __future__ import annotations
 
 import asyncio
-import importlib
 import itertools
 import logging
 import os
@@ -41,8 +41,9 @@ from services.common.broker import (
 from services.common.messages import Shape
 from services.common.protos import predictor_pb2 as pb
 from services.common.signing import Sealer
+from services.engine.embedded_predictor import EmbeddedPredictorFactory, EmbeddedService, embedded_predictor
 from services.engine.models.geometry import ExpertGeometry
-from services.engine.offload.prefetch.hints import HintPrefetcher
+from services.engine.offload.prefetch.hints import HintPrefetcher, HintStats
 from services.engine.offload.settings import PredictorSettings
 from services.engine.step_context import StepContext
 from services.engine.step_records import encode_step
@@ -65,7 +66,7 @@ class PredictorLink:
         hints: HintPrefetcher,
         *,
         predictor: str = "",
-        embedded: Callable[[Broker], object] | None = None,  # -> PredictorService to run in our thread
+        embedded: Callable[[Broker], EmbeddedService] | None = None,  # the service to run in our thread
         partial_layers: tuple[int, ...] = (0,),
         queue_size: int = 64,
         stream: str = CONTEXT_STREAM,
@@ -86,7 +87,7 @@ class PredictorLink:
         self.backoff_s = backoff_s
         self._sealer = Sealer.from_env()  # HINTSERVE_BROKER_SECRET: sign contexts, accept only signed hints
         self.connected = False
-        self.service = None  # the embedded PredictorService, once running
+        self.service: EmbeddedService | None = None  # the embedded predictor service, once running
         self.counts = {"published": 0, "dropped": 0, "hint_batches": 0, "sessions": 0, "invalid": 0}  # link thread
         self.dropped_in_loop = 0  # written by the decode loop only (no lost updates across threads)
         self._queue: deque[tuple[int, StepContext, int]] = deque()
@@ -94,8 +95,8 @@ class PredictorLink:
         self._lat_lock = threading.Lock()
         self._last_hint = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._wake: asyncio.Event | None = None
-        self._stop: asyncio.Event | None = None
+        self._wake = asyncio.Event()  # bound to the link thread's loop on first use there
+        self._stop = asyncio.Event()
         self._closing = False
         self._ending = False  # the current connected session is winding down
         self._thread = threading.Thread(target=self._thread_main, name=f"predictor-link-{engine_id}", daemon=True)
@@ -125,7 +126,7 @@ class PredictorLink:
             return
         self._queue.append((time.time_ns(), ctx, layers_seen))
         try:
-            loop.call_soon_threadsafe(self._wake.set)  # type: ignore[union-attr]
+            loop.call_soon_threadsafe(self._wake.set)
         except RuntimeError:  # the loop closed under us (shutdown)
             pass
 
@@ -136,10 +137,10 @@ class PredictorLink:
 
     def close(self, timeout: float = 5.0) -> None:
         self._closing = True
-        loop, stop = self._loop, self._stop
-        if loop is not None and stop is not None:
+        loop = self._loop
+        if loop is not None:
             try:
-                loop.call_soon_threadsafe(stop.set)
+                loop.call_soon_threadsafe(self._stop.set)
             except RuntimeError:
                 pass
         if self._thread.is_alive():
@@ -149,15 +150,14 @@ class PredictorLink:
         asyncio.run(self._main())
 
     async def _main(self) -> None:
-        self._wake, self._stop = asyncio.Event(), asyncio.Event()
         self._loop = asyncio.get_running_loop()
         if self._closing:
             return
         broker = self.broker_factory()
         service_task = None
         if self.embedded is not None:
-            self.service = self.embedded(broker)
-            service_task = asyncio.create_task(self.service.run())  # type: ignore[attr-defined]
+            self.service = service = self.embedded(broker)
+            service_task = asyncio.create_task(service.run())
         delay = self.backoff_s[0]
         try:
             while not self._stop.is_set():
@@ -178,8 +178,8 @@ class PredictorLink:
                 delay = min(delay * 2, self.backoff_s[1])
         finally:
             self._set_connected(False, "closed", quiet=True)
-            if service_task is not None:
-                self.service.stop()  # type: ignore[union-attr]
+            if service_task is not None and self.service is not None:
+                self.service.stop()
                 await asyncio.gather(service_task, return_exceptions=True)
             await broker.close()
 
@@ -191,19 +191,20 @@ class PredictorLink:
             self._set_connected(True)
             self._ending = False
             loops = [asyncio.create_task(self._publish_loop(broker)), asyncio.create_task(self._receive_loop(sub))]
-            stop = asyncio.create_task(self._stop.wait())  # type: ignore[union-attr]
+            stop = asyncio.create_task(self._stop.wait())
             done, _ = await asyncio.wait([*loops, stop], return_when=asyncio.FIRST_COMPLETED)
             # Both loops notice `_ending` within one short read; cancelling a blocked redis-py read instead
             # can strand it, so cancelling is only the fallback.
             self._ending = True
-            self._wake.set()  # type: ignore[union-attr]
+            self._wake.set()
             await asyncio.wait(loops, timeout=2.0)
             for task in [*loops, stop]:
                 task.cancel()
             await asyncio.gather(*loops, stop, return_exceptions=True)
             for task in loops:
-                if not task.cancelled() and task.exception() is not None:
-                    raise task.exception()  # type: ignore[misc]
+                failure = None if task.cancelled() else task.exception()
+                if failure is not None:
+                    raise failure
         finally:
             await sub.close()
 
@@ -228,8 +229,8 @@ class PredictorLink:
     # ---- the link thread's side ----
     async def _publish_loop(self, broker: Broker) -> None:
         while not self._ending:
-            await self._wake.wait()  # type: ignore[union-attr]
-            self._wake.clear()  # type: ignore[union-attr]
+            await self._wake.wait()
+            self._wake.clear()
             while self._queue and not self._ending:
                 sent_ns, ctx, layers_seen = self._queue[0]
                 batch = pb.ContextBatch(
@@ -245,7 +246,7 @@ class PredictorLink:
             data = await sub.get(timeout=0.25)
             hints = self._hints()
             if hints is None:  # the engine is gone
-                self._stop.set()  # type: ignore[union-attr]
+                self._stop.set()
                 return
             if data is None:
                 continue
@@ -285,11 +286,6 @@ class PredictorLink:
         return out
 
 
-# The embedded predictor service (no --redis-url) lives in the predictor package, a layer above the engine:
-# named here, imported only when an engine runs one.
-EMBEDDED_PREDICTOR = "services.predictor.embedded:embedded_service"
-
-
 def start_predictor_link(
     runner, hints: HintPrefetcher, predictor: PredictorSettings, spec: ExpertGeometry
 ) -> PredictorLink | None:
@@ -305,10 +301,11 @@ def start_predictor_link(
 
 def make_predictor_link(
     hints: HintPrefetcher, shape: Shape, predictor: str, redis_url: str | None, engine_id: str | None,
-    partial_layers: tuple[int, ...] = (0,),
+    partial_layers: tuple[int, ...] = (0,), embedded_factory: EmbeddedPredictorFactory | None = None,
 ) -> PredictorLink | None:
-    """A link (not started, not attached) over Redis when `redis_url` is set, else to an embedded service on
-    an in-process broker; None when the embedded predictor cannot be built here."""
+    """A link (not started, not attached) over Redis when `redis_url` is set, else to an embedded service
+    (`embedded_factory`, by default the one installed) on an in-process broker; None when there is no
+    embedded predictor or it cannot be built here."""
     engine_id = engine_id or default_engine_id()
     embedded = None
     if redis_url:
@@ -319,9 +316,12 @@ def make_predictor_link(
     else:
         from services.common.inprocess_broker import InProcessBroker
 
-        module, name = EMBEDDED_PREDICTOR.split(":")
+        make_embedded = embedded_factory or embedded_predictor()
+        if make_embedded is None:
+            log.warning("no embedded predictor installed: serving with local prefetchers only")
+            return None
         try:
-            embedded = getattr(importlib.import_module(module), name)(predictor, engine_id)
+            embedded = make_embedded(predictor, engine_id)
         except (ValueError, ImportError) as exc:
             log.warning("no embedded predictor (%s): serving with local prefetchers only", exc)
             return None
@@ -333,7 +333,7 @@ def make_predictor_link(
     link = PredictorLink(
         factory, engine_id, shape, hints, predictor=predictor, embedded=embedded, partial_layers=partial_layers
     )
-    if hasattr(hints.stats, "sources"):
-        hints.stats.sources.append(link.engine_stats)  # type: ignore[attr-defined]
+    if isinstance(hints.stats, HintStats):
+        hints.stats.sources.append(link.engine_stats)
     hints.add_closer(link.close)
     return link

@@ -32,9 +32,8 @@ def _check_int(name: str, value: object, low: int, high: int) -> None:
 
 def _check_float(name: str, value: object, low: float, high: float, zero: bool = False) -> None:
     """value in [low, high] (or exactly 0 when `zero`); NaN, inf and non-numbers fail too."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if ok and not (zero and value == 0) and not low <= value <= high:  # NaN fails every comparison
-        ok = False
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+          and ((zero and value == 0) or low <= value <= high))  # NaN fails every comparison
     if not ok:
         where = f"0 or a number in [{low:.9g}, {high:.9g}]" if zero else f"a number in [{low:.9g}, {high:.9g}]"
         raise InvalidRequestError(f"{name} must be {where}, got {value!r}", name)

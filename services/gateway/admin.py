@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib
 from typing import Any
 
 from services.gateway.auth import bearer_token, key_matches, unauthorized
@@ -33,7 +32,7 @@ def check_admin(admin_key: str | None, authorization: str | None) -> None:
 def load_replay_module() -> Any:
     """`loadgen.replay`, imported on first use: the gateway must not need loadgen (or its deps) to start."""
     try:
-        module = importlib.import_module("loadgen.replay")
+        from loadgen import replay as module
     except ModuleNotFoundError as exc:
         raise APIError(501, f"the replay needs the loadgen package: {exc}", code="not_implemented") from exc
     if not hasattr(module, "ReplayConfig") or not hasattr(module, "run_replay"):

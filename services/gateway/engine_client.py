@@ -13,7 +13,7 @@ running. `services.gateway.errors.from_engine_error` maps both kinds of errors.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
 from services.engine.errors import EngineDeadError
@@ -27,7 +27,7 @@ class EngineBackend(Protocol):
 
     def generate(
         self, request_id: str, prompt: str | list[int], params: SamplingParams
-    ) -> AsyncIterator[Any]:
+    ) -> AsyncGenerator[Any, None]:
         """Streams deltas; closing the iterator early aborts the request and frees its KV blocks."""
         ...
 
@@ -51,7 +51,7 @@ class InProcessEngineClient:
 
     async def generate(
         self, request_id: str, prompt: str | list[int], params: SamplingParams
-    ) -> AsyncIterator[Any]:
+    ) -> AsyncGenerator[Any, None]:
         stream = self.engine.generate(request_id, prompt, params)
         try:
             async for out in stream:

@@ -231,6 +231,5 @@ class EnginePool:
 
     def max_model_len(self) -> int | None:
         """The smallest context window among the engines that reported one (a request must fit any)."""
-        lens = [h.model_info.get("max_model_len") for h in self.engines if h.model_info]
-        lens = [n for n in lens if n]
+        lens: list[int] = [n for h in self.engines if h.model_info and (n := h.model_info.get("max_model_len"))]
         return min(lens) if lens else None

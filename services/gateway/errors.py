@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import grpc
@@ -42,7 +43,7 @@ class APIError(Exception):
         code: str | None = None,
         param: str | None = None,
         type: str | None = None,
-        headers: dict[str, str] | None = None,
+        headers: Mapping[str, str] | None = None,
         retriable: bool = False,
     ) -> None:
         super().__init__(message)
@@ -51,7 +52,7 @@ class APIError(Exception):
         self.code = code
         self.param = param
         self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-        self.headers = headers or {}
+        self.headers = dict(headers or {})
         # True when another engine may succeed where this one failed (failover before the first token).
         self.retriable = retriable
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from services.common.rpc_errors import describe_error
@@ -36,12 +36,12 @@ def _shutting_down() -> APIError:
     )
 
 
-async def _close(stream: AsyncIterator[Any] | None) -> None:
+async def _close(stream: AsyncGenerator[Any, None] | None) -> None:
     # Closing the backend's generator aborts an unfinished engine request (KV blocks freed). The backends'
     # cleanup never suspends, so this completes even inside a task that is being cancelled.
     if stream is not None:
         try:
-            await stream.aclose()  # type: ignore[attr-defined]
+            await stream.aclose()
         except Exception:
             pass
 
@@ -70,7 +70,7 @@ class EngineRouter:
         params: SamplingParams,
         prompt_param: str | None,
         m: ModelMetrics,
-    ) -> tuple[EngineHandle, AsyncIterator[Any], Any, float, Watched]:
+    ) -> tuple[EngineHandle, AsyncGenerator[Any, None], Any, float, Watched]:
         """Submits to an engine and waits for its first output, failing over while none has come.
 
         Returns (engine, stream, first output, submission time, watch entry); the caller owns the slot, the
@@ -132,7 +132,7 @@ class EngineRouter:
         model_name: str,
         arrival: float,
         prompt_param: str | None = None,
-    ) -> AsyncIterator[Any]:
+    ) -> AsyncGenerator[Any, None]:
         """Yields the engine's outputs (proto GenerateResponse or RequestOutput; same field names).
 
         The last output has finished=True and finish_reason "stop" or "length". Errors are APIError: before

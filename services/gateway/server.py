@@ -7,7 +7,7 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from typing import Any
 
 import uvicorn
@@ -41,6 +41,15 @@ def load_tokenizer(model_dir: str) -> Any:
     from services.engine.startup_checks import load_tokenizer as load
 
     return load(model_dir)  # ValueError naming the directory when it does not load
+
+
+class _ServerWithoutSignals(uvicorn.Server):
+    """uvicorn would re-raise a caught SIGTERM after shutdown (killing the process before our cleanup); the
+    CLI installs its own handlers calling request_exit(), tests and benchmarks need none."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
 
 
 class Gateway:
@@ -153,10 +162,7 @@ class HTTPServer:
             http=protocol_with_read_timeout(read_timeout_s),
             h11_max_incomplete_event_size=MAX_HEADER_BYTES,  # a header block still arriving: bounded, then 431
         )
-        self.server = uvicorn.Server(config)
-        # uvicorn would re-raise a caught SIGTERM after shutdown (killing the process before our cleanup);
-        # the CLI installs its own handlers calling request_exit(), tests and benchmarks need none.
-        self.server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+        self.server = _ServerWithoutSignals(config)
         self._task: asyncio.Task | None = None
 
     @property

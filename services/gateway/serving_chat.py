@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from services.gateway.errors import APIError, bad_request
@@ -69,8 +69,8 @@ class OpenAIServingChat:
         request: ChatCompletionRequest,
         request_id: str,
         model: str,
-        outputs: AsyncIterator[tuple[int, Any]],
-    ) -> AsyncIterator[str]:
+        outputs: AsyncGenerator[tuple[int, Any], None],
+    ) -> AsyncGenerator[str, None]:
         created = now_s()
         include_usage = request.include_usage
         base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
@@ -101,7 +101,7 @@ class OpenAIServingChat:
         except APIError as err:  # after the headers: the error travels in the stream (the client raises it)
             yield sse(err.body())
         finally:
-            await outputs.aclose()  # type: ignore[attr-defined]
+            await outputs.aclose()
         yield SSE_DONE
 
     async def _full(
@@ -109,7 +109,7 @@ class OpenAIServingChat:
         request: ChatCompletionRequest,
         request_id: str,
         model: str,
-        outputs: AsyncIterator[tuple[int, Any]],
+        outputs: AsyncGenerator[tuple[int, Any], None],
     ) -> dict[str, Any]:
         texts: list[list[str]] = [[] for _ in range(request.n)]
         reasons: list[str | None] = [None] * request.n
@@ -124,7 +124,7 @@ class OpenAIServingChat:
                 if out.finished:
                     reasons[index] = out.finish_reason
         finally:
-            await outputs.aclose()  # type: ignore[attr-defined]
+            await outputs.aclose()
         choices = [
             {
                 "index": i,

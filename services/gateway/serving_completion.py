@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator
+from typing import Any, cast
 
 from services.engine.sampling_params import DEFAULT_MAX_TOKENS
 from services.gateway.errors import APIError, bad_request
@@ -20,8 +20,8 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str 
     if not prompt:
         raise bad_request("prompt must not be empty", param="prompt")
     if all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]  # type: ignore[arg-type]
-    return list(prompt)  # type: ignore[arg-type]
+        return [cast("list[int]", list(prompt))]
+    return cast("list[str | list[int]]", list(prompt))  # strings or token lists; the engines check each
 
 
 class OpenAIServingCompletion:
@@ -73,8 +73,8 @@ class OpenAIServingCompletion:
         request_id: str,
         model: str,
         num_choices: int,
-        outputs: AsyncIterator[tuple[int, Any]],
-    ) -> AsyncIterator[str]:
+        outputs: AsyncGenerator[tuple[int, Any], None],
+    ) -> AsyncGenerator[str, None]:
         base: dict[str, Any] = {
             "id": request_id,
             "object": "text_completion",
@@ -105,11 +105,11 @@ class OpenAIServingCompletion:
         except APIError as err:
             yield sse(err.body())
         finally:
-            await outputs.aclose()  # type: ignore[attr-defined]
+            await outputs.aclose()
         yield SSE_DONE
 
     async def _full(
-        self, request_id: str, model: str, num_choices: int, n: int, outputs: AsyncIterator[tuple[int, Any]]
+        self, request_id: str, model: str, num_choices: int, n: int, outputs: AsyncGenerator[tuple[int, Any], None]
     ) -> dict[str, Any]:
         texts: list[list[str]] = [[] for _ in range(num_choices)]
         reasons: list[str | None] = [None] * num_choices
@@ -124,7 +124,7 @@ class OpenAIServingCompletion:
                 if out.finished:
                     reasons[index] = out.finish_reason
         finally:
-            await outputs.aclose()  # type: ignore[attr-defined]
+            await outputs.aclose()
         choices = [
             {"index": i, "text": "".join(texts[i]), "logprobs": None, "finish_reason": reasons[i]}
             for i in range(num_choices)

@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -145,6 +145,7 @@ class OpenAIServing:
 
     def encode(self, text: str) -> list[int]:
         # add_special_tokens=False, as the engine does for text: templates and prompts carry their own.
+        assert self.tokenizer is not None, "encode needs the gateway's tokenizer"
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def check_context(self, prompt_len: int, max_tokens: int | None, param: str) -> int:
@@ -165,11 +166,11 @@ class OpenAIServing:
     async def start(
         self,
         request_id: str,
-        jobs: list[tuple[str | list[int], SamplingParams]],
+        jobs: Sequence[tuple[str | list[int], SamplingParams]],
         model_name: str,
         arrival: float,
         prompt_param: str,
-    ) -> AsyncIterator[tuple[int, Any]]:
+    ) -> AsyncGenerator[tuple[int, Any], None]:
         """Starts one engine request per job and returns their merged (job index, output) stream.
 
         Returns only once every job has its first output, so admission and validation errors are raised

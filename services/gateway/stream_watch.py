@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,7 +69,7 @@ class StreamWatch:
     def remove(self, request_id: str) -> None:
         self.entries.pop(request_id, None)
 
-    async def next_output(self, entry: Watched, stream: AsyncIterator[Any]) -> Any:
+    async def next_output(self, entry: Watched, stream: AsyncGenerator[Any, None]) -> Any:
         """The stream's next output; the cut's APIError once the engine is silent too long or goes down."""
         if entry.cut is not None:
             raise entry.cut
@@ -81,7 +81,7 @@ class StreamWatch:
             if entry.cut is None:
                 raise
             if entry.cancelled and hasattr(entry.task, "uncancel"):  # 3.11+: our own cancel, now handled
-                entry.task.uncancel()  # type: ignore[union-attr]
+                entry.task.uncancel()
             raise entry.cut from None
         finally:
             entry.waiting_since = None

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from services.gateway.errors import APIError
 
 
-async def _close_all(streams: Sequence[AsyncIterator[Any]]) -> None:
+async def _close_all(streams: Sequence[AsyncGenerator[Any, None]]) -> None:
     for stream in streams:
         with contextlib.suppress(Exception):
-            await stream.aclose()  # type: ignore[attr-defined]
+            await stream.aclose()
 
 
-async def prime(streams: Sequence[AsyncIterator[Any]]) -> list[Any]:
+async def prime(streams: Sequence[AsyncGenerator[Any, None]]) -> list[Any]:
     """The first output of every stream, fetched concurrently.
 
     This is where admission, failover and the engine's validation happen, so awaiting it before sending
@@ -38,7 +38,7 @@ async def prime(streams: Sequence[AsyncIterator[Any]]) -> list[Any]:
         await asyncio.gather(*tasks, return_exceptions=True)
         await _close_all(streams)
         raise
-    errors = [t.exception() for t in done if t.exception() is not None]
+    errors = [e for e in (t.exception() for t in done) if e is not None]
     if not errors:
         return [t.result() for t in tasks]
     for task in pending:
@@ -50,8 +50,8 @@ async def prime(streams: Sequence[AsyncIterator[Any]]) -> list[Any]:
 
 
 async def merge(
-    streams: Sequence[AsyncIterator[Any]], firsts: Sequence[Any]
-) -> AsyncIterator[tuple[int, Any]]:
+    streams: Sequence[AsyncGenerator[Any, None]], firsts: Sequence[Any]
+) -> AsyncGenerator[tuple[int, Any], None]:
     """Yields (stream index, output) as outputs arrive, starting with the primed first outputs.
 
     An error in any stream is raised here after the others are closed (their engine requests aborted).
@@ -69,7 +69,7 @@ async def merge(
     queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
     done_marker = object()
 
-    async def pump(index: int, stream: AsyncIterator[Any]) -> None:
+    async def pump(index: int, stream: AsyncGenerator[Any, None]) -> None:
         try:
             async for out in stream:
                 queue.put_nowait((index, out, None))

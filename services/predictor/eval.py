@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from services.common.iteration_context import IterationContext, PredictionQuery, RequestTrace, TracedIteration
+from services.common.request_history import RequestHistory
 from services.predictor.predictors import create_predictor, predictor_class, unavailable_reason
 from services.predictor.traces import TraceSet
 
@@ -76,10 +77,9 @@ def masked(it: IterationContext, seen: int) -> IterationContext:
     probs[seen:] = 0.0
     counts[seen:] = 0.0
     out = TracedIteration(it.request_id, it.iteration, probs, counts, it.embedding, seen, it.num_tokens)
-    inputs = getattr(it, "layer_inputs", None)
-    if inputs is not None:
-        out.layer_inputs = inputs[:, :seen] if seen > 0 else inputs[:, :0]
-        out.token_experts = it.token_experts[:, :seen]  # type: ignore[union-attr]
+    if isinstance(it, TracedIteration) and it.layer_inputs is not None and it.token_experts is not None:
+        out.layer_inputs = it.layer_inputs[:, :seen] if seen > 0 else it.layer_inputs[:, :0]
+        out.token_experts = it.token_experts[:, :seen]
     return out
 
 
@@ -114,7 +114,7 @@ def evaluate_predictor(name: str, train: TraceSet, test: list[RequestTrace], cfg
     many = getattr(pred, "predict_many", None)
     plan = getattr(pred, "plan", None)
     for request in test:
-        history: list[IterationContext] = []
+        history = RequestHistory()
         for it in request.iterations:
             if it.iteration > 0 or cfg.include_prefill:
                 views = {s: masked(it, s) for s in range(L)}
@@ -134,7 +134,7 @@ def evaluate_predictor(name: str, train: TraceSet, test: list[RequestTrace], cfg
                         accs[d].n_plan += 1
             if cfg.online:
                 pred.observe(it)
-            history = history + [it]
+            history.append(it)
     predict_ms = 1000 * predict_s / max(n_queries, 1)
     out = {}
     for d, a in accs.items():
@@ -165,7 +165,7 @@ def run_eval(train: list[TraceSet], train_paths: list[str], test: TraceSet, test
     """All predictors x distances. Returns the JSON payload (rows + what was split how)."""
     from tqdm import tqdm
 
-    from services.predictor.traces import merge_traces
+    from services.predictor.trace_set import merge_traces
 
     same = [i for i, p in enumerate(train_paths) if p == test_path]
     others = [t for i, t in enumerate(train) if i not in same]

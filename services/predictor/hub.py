@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -19,6 +19,7 @@ import numpy as np
 from services.common.iteration_context import IterationContext, PredictionQuery
 from services.common.messages import InvalidInput, Shape, select_experts, to_context
 from services.common.protos import predictor_pb2 as pb
+from services.common.request_history import RequestHistory
 from services.predictor.predictors.base import Predictor
 
 PredictorFactory = Callable[[Shape], Predictor]
@@ -60,8 +61,8 @@ class Selection:
 class ModelState:
     shape: Shape
     predictor: Predictor
-    # request id -> its finished iterations (oldest first); LRU order, least recently touched first
-    histories: OrderedDict[str, deque[IterationContext]] = field(default_factory=OrderedDict)
+    # request id -> its finished iterations, compact; LRU order, least recently touched first
+    histories: OrderedDict[str, RequestHistory] = field(default_factory=OrderedDict)
     touched: dict[str, float] = field(default_factory=dict)
 
 
@@ -73,7 +74,7 @@ class PredictorHub:
         selection: Selection | None = None,
         max_models: int = 8,
         max_requests: int = 4096,
-        history_len: int = 64,
+        history_len: int = 64,  # iterations in a request's decode-count sum (EAMC's request-level EAM)
         request_ttl_s: float = 600.0,
     ) -> None:
         self.factory = factory
@@ -109,7 +110,7 @@ class PredictorHub:
         self.models[shape.model] = ModelState(shape, predictor)
 
     # ---- requests ----
-    def _history(self, state: ModelState, rid: str, strict: bool) -> deque[IterationContext]:
+    def _history(self, state: ModelState, rid: str, strict: bool) -> RequestHistory:
         now = time.monotonic()
         history = state.histories.get(rid)
         if history is None:
@@ -119,25 +120,26 @@ class PredictorHub:
                     raise CapacityExceeded(f"tracking {self.max_requests} live requests of {state.shape.model!r}")
                 del state.histories[oldest], state.touched[oldest]  # the stream must flow: forget the oldest
                 self.counters["requests_evicted_total"] += 1
-            history = state.histories[rid] = deque(maxlen=self.history_len)
+            history = state.histories[rid] = RequestHistory(self.history_len)
         state.histories.move_to_end(rid)
         state.touched[rid] = now
         return history
 
-    def observe(self, state: ModelState, ctx: IterationContext, strict: bool = False) -> list[IterationContext]:
+    def observe(self, state: ModelState, ctx: IterationContext, strict: bool = False) -> RequestHistory:
         """Records a context; finished ones teach the predictor. Returns the request's finished history."""
         history = self._history(state, ctx.request_id, strict)
         if ctx.layers_seen >= state.shape.num_layers:
-            if history and ctx.iteration <= history[-1].iteration:
+            last = history.last
+            if last is not None and ctx.iteration <= last.iteration:
                 history.clear()  # a reused request id, or the engine restarted the request
             state.predictor.observe(ctx)
             history.append(ctx)
             self.counters["iterations_observed_total"] += 1
-        return list(history)
+        return history
 
     # ---- predictions ----
     def predict(
-        self, state: ModelState, current: IterationContext, history: list[IterationContext],
+        self, state: ModelState, current: IterationContext, history: RequestHistory,
         targets: list[int] | None = None,
     ) -> list[pb.Hint]:
         shape, sel = state.shape, self.selection
@@ -191,9 +193,9 @@ class PredictorHub:
         state = self.model(shape, create=False)
         ctx = to_context(request.context, shape)
         if request.history:
-            history = [to_context(h, shape) for h in request.history]
+            history = RequestHistory.of(to_context(h, shape) for h in request.history)  # all of it, as given
         else:
-            history = list(state.histories.get(ctx.request_id, ()))
+            history = state.histories.get(ctx.request_id, RequestHistory())
         targets = list(request.target_layers) or None
         bad = [t for t in targets or () if not 0 <= t < shape.num_layers]
         if bad:

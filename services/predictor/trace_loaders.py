@@ -22,7 +22,7 @@ from collections import defaultdict
 import numpy as np
 
 from services.common.iteration_context import IterationContext, RequestTrace
-from services.predictor.traces import TraceSet, iteration_from_routing
+from services.predictor.trace_set import TraceSet, iteration_from_routing, merge_traces
 
 QWEN_DUMMY_ROWS = 8192 + 256  # vLLM profiling / CUDA-graph warm-up passes (one constant route each)
 
@@ -45,8 +45,6 @@ def load_routing_file(path: str) -> TraceSet:
     if os.path.isdir(path):
         files = sorted(glob.glob(os.path.join(path, "*_routing.jsonl")))
         if files:
-            from services.predictor.traces import merge_traces
-
             return merge_traces([load_mixtral_routing(f) for f in files])
         if glob.glob(os.path.join(path, "moe_layer*.jsonl")):
             return load_qwen_logger(path)

@@ -122,12 +122,13 @@ def dequantize(m: CpuMatrix) -> torch.Tensor:
     n, k = m.shape
     if m.format in ("fp32", "bf16"):
         return m.weight.float()
+    assert m.scales is not None  # int8 and int4 carry their scales
     if m.format == "int8":
         tiles = m.weight.view(-1, k // 4, TILE, 4).transpose(1, 2).reshape(-1, k)[:n]
-        return (tiles.to(torch.int16) - 128).float() * m.scales[:n, None]  # type: ignore[index]
+        return (tiles.to(torch.int16) - 128).float() * m.scales[:n, None]
     packed = m.weight.view(-1, k // 8, TILE, 4).transpose(1, 2)  # [N/16, 16, K/8, 4]
     q = torch.stack((packed & 15, packed >> 4), dim=3).reshape(-1, k)[:n].float()
-    pair = m.scales.float().permute(0, 3, 1, 2).reshape(-1, 2, k // m.group)[:n]  # type: ignore[union-attr]
+    pair = m.scales.float().permute(0, 3, 1, 2).reshape(-1, 2, k // m.group)[:n]
     scale, zero = pair[:, 0], pair[:, 1]
     groups = q.view(n, k // m.group, m.group) - 8
     return (groups * scale[..., None] + zero[..., None]).view(n, k)
@@ -156,9 +157,9 @@ def as_cpu_matrix(w: torch.Tensor | object) -> CpuMatrix | None:
         fmt = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(w.dtype)
         if fmt is None or w.device.type != "cpu" or w.dim() != 2 or not w.is_contiguous():
             return None
-        matrix = CpuMatrix(fmt, tuple(w.shape), w)
+        matrix = CpuMatrix(fmt, (w.shape[0], w.shape[1]), w)
     elif getattr(w, "on_cpu", False):
-        matrix = w.cpu_matrix()  # type: ignore[attr-defined]
+        matrix = w.cpu_matrix()  # type: ignore[attr-defined]  # a packed quantized matrix (quant/, above us)
     else:
         return None
     return matrix if native_widths(matrix.format, matrix.shape[1], matrix.group) else None
@@ -177,7 +178,7 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: ctyp
     ids = ids.to(torch.int64).contiguous()
     weights = weights.to(torch.float32).contiguous()
     out = torch.empty(x.shape[0], width)
-    status = cpu_kernels.library().hs_moe(  # type: ignore[union-attr]
+    status = cpu_kernels.loaded().hs_moe(
         gate_up, down, len(gate_up), x.data_ptr(), x.stride(0), x.shape[0], ids.data_ptr(), weights.data_ptr(),
         ids.shape[1], out.data_ptr())
     if status == -1:

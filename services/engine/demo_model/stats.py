@@ -110,8 +110,8 @@ def routing_stats(model: torch.nn.Module, windows: torch.Tensor, batch_size: int
     return {"tokens": tokens, "max_entropy_nats": math.log(n_experts), "layers": per_layer}
 
 
-def _first(out: object) -> torch.Tensor:
-    return out[0] if isinstance(out, tuple) else out  # type: ignore[index,return-value]
+def _first(out: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out
 
 
 def compute_stats(

@@ -9,6 +9,8 @@ from pathlib import Path
 import jinja2
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from services.engine.demo_model.corpus import Document
+
 BOS_TOKEN = EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 END_TOKEN = "<|end|>"  # ends every chat turn; generation stops on it as well as on EOS
@@ -114,14 +116,13 @@ def save_tokenizer(tokenizer: Tokenizer, out_dir: Path) -> None:
     (out_dir / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
 
 
-def document_text(doc: object) -> str:
+def document_text(doc: Document) -> str:
     """A corpus document as the model sees it: BOS then the text, or a chat rendered by the template."""
-    messages = getattr(doc, "messages", ())
-    if messages:
-        return render_chat(messages)
-    return BOS_TOKEN + doc.text  # type: ignore[attr-defined]
+    if doc.messages:
+        return render_chat(doc.messages)
+    return BOS_TOKEN + doc.text
 
 
-def encode_documents(tokenizer: Tokenizer, docs: Sequence[object]) -> list[list[int]]:
+def encode_documents(tokenizer: Tokenizer, docs: Sequence[Document]) -> list[list[int]]:
     """Token ids of each document (special tokens in the text are matched as single tokens)."""
     return [enc.ids for enc in tokenizer.encode_batch([document_text(d) for d in docs])]

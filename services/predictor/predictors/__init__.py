@@ -32,10 +32,7 @@ def predictor_class(name: str) -> type[Predictor]:
 
 def create_predictor(name: str, trace: Any, **kwargs: Any) -> Predictor:
     """A predictor sized for `trace` (a TraceSet: layers, experts, top-k, layer ids, model directory)."""
-    cls = predictor_class(name)
-    if hasattr(cls, "from_trace"):
-        return cls.from_trace(trace, **kwargs)  # type: ignore[attr-defined]
-    return cls(trace.num_layers, trace.num_experts, trace.top_k, **kwargs)
+    return predictor_class(name).from_trace(trace, **kwargs)
 
 
 def unavailable_reason(name: str, trace: Any) -> str | None:

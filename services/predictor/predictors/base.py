@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 
 from services.common.iteration_context import IterationContext, PredictionQuery, RequestTrace
+
+if TYPE_CHECKING:
+    from services.predictor.trace_set import TraceSet
 
 
 class Predictor(ABC):
@@ -18,6 +21,12 @@ class Predictor(ABC):
         self.num_layers = num_layers
         self.num_experts = num_experts
         self.top_k = top_k
+
+    @classmethod
+    def from_trace(cls, trace: TraceSet, **kwargs: Any) -> Self:
+        """One sized for `trace` (layers, experts, top-k); predictors that read more of it (layer ids, the
+        model directory) override this."""
+        return cls(trace.num_layers, trace.num_experts, trace.top_k, **kwargs)
 
     def fit(self, requests: list[RequestTrace]) -> None:
         """Offline training; the default observes every iteration in order (online learners)."""

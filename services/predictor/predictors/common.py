@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from services.common.iteration_context import IterationContext, PredictionQuery
+from services.common.iteration_context import IterationContext
 
 EPS = 1e-9
 
@@ -32,11 +32,6 @@ def fewest_above(probs: np.ndarray, delta: float, k: int) -> np.ndarray:
     mass = np.cumsum(probs[order]) / max(float(probs.sum()), EPS)
     n = int(np.searchsorted(mass, min(delta, 1.0) - 1e-6) + 1)
     return order[: min(len(order), max(k, n))]
-
-
-def last_iteration(query: PredictionQuery) -> IterationContext | None:
-    """The latest finished iteration of this request, if any."""
-    return query.history[-1] if query.history else None
 
 
 def semantic_key(current: IterationContext, previous: IterationContext | None) -> np.ndarray:

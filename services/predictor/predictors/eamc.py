@@ -88,9 +88,9 @@ class EAMCPredictor(Predictor):
         if s > 0:
             agg = self.match(query.current.counts, s)
         else:
-            history = [it.counts for it in query.history if it.iteration > 0]
-            if history:  # iteration start: match the request-level EAM so far
-                agg = self.match(np.sum(history, axis=0), L)
+            decode_counts = query.history.decode_counts()
+            if decode_counts is not None:  # iteration start: match the request-level EAM so far
+                agg = self.match(decode_counts, L)
             else:  # nothing known about this request: the collection's overall activation
                 agg = row_normalise(self.eams.sum(0))
         proximity = 1.0 - (t - max(s - 1, 0)) / L

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from services.common.iteration_context import IterationContext, PredictionQuery
+from services.common.request_history import RequestHistory
 from services.predictor.predictors.base import Predictor
 from services.predictor.predictors.common import fewest_above, semantic_key, unit
 
@@ -127,7 +128,7 @@ class ExpertMapPredictor(Predictor):
         E = self.num_experts
         if store.size == 0:
             return np.full(E, 1.0 / E, np.float32), 0.0
-        prev = query.history[-1] if query.history else None
+        prev = query.history.last
         if s == 0:
             sims = store.semantic(self._sem_key(cur, prev))
         else:
@@ -209,7 +210,7 @@ def bench_search(capacity: int, layers: int = 32, experts: int = 8, hidden: int 
             emb = rng.standard_normal(hidden).astype(np.float32)
         seen = int(rng.integers(0, layers))
         cur = IterationContext("bench", 1, probs, probs, emb, layers_seen=seen)
-        q = PredictionQuery([], cur, int(rng.integers(seen, layers)))
+        q = PredictionQuery(RequestHistory(), cur, int(rng.integers(seen, layers)))
         c0, t0 = time.thread_time(), time.perf_counter()
         pred.predict(q)
         lat["semantic" if seen == 0 else "trajectory"].append((time.perf_counter() - t0) * 1e3)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from services.common.iteration_context import IterationContext, PredictionQuery, RequestTrace
+from services.common.request_history import RequestHistory
 from services.predictor.predictors.base import Predictor
 from services.predictor.predictors.common import fewest_above, hidden_at
 from services.predictor.predictors.expert_map import ExpertMapPredictor
@@ -83,8 +84,8 @@ class HintServePredictor(Predictor):
             if name in HIDDEN_COMPONENTS and not has_hidden:
                 cols.append(np.zeros(self.num_experts, np.float32))  # constant: no effect on the softmax
                 continue
-            if name == "expert-map":
-                scores, sim = comp.scored(query)  # type: ignore[attr-defined]
+            if name == "expert-map" and isinstance(comp, ExpertMapPredictor):  # the search says how similar
+                scores, sim = comp.scored(query)
             else:
                 scores = comp.predict(query)
             p = np.maximum(np.asarray(scores, np.float64), 0.0)
@@ -124,19 +125,19 @@ class HintServePredictor(Predictor):
             for comp in self.components.values():
                 comp.fit(train)
             for request in held:
-                history: list[IterationContext] = []
+                history = RequestHistory()
                 for it in request.iterations:
                     if it.iteration > 0:
                         self._collect(it, history, samples)
                     self.observe(it)
-                    history = history + [it]
+                    history.append(it)
         for (phase, d), (xs, ys) in samples.items():
             self.weights[phase, d] = _fit_weights(np.stack(xs), np.stack(ys), self.weights[phase, d])
         self.components = self._make_components()
         for comp in self.components.values():
             comp.fit(requests)
 
-    def _collect(self, it: IterationContext, history: list, samples: dict) -> None:
+    def _collect(self, it: IterationContext, history: RequestHistory, samples: dict) -> None:
         from services.predictor.eval import masked
 
         for d in range(1, MAX_BUCKET + 1):

@@ -43,15 +43,16 @@ def gate_dataset(requests: list[RequestTrace], source: int, num_layers: int, num
     for request in requests:
         for it in request.iterations:
             experts = getattr(it, "token_experts", None)
+            inputs = getattr(it, "layer_inputs", None)  # both set together (a TracedIteration) or neither
             if source < 0:  # the embedding: exact per token only for decode steps
                 if it.num_tokens != 1 or not it.embedding.size:
                     continue
                 xs.append(it.embedding[None].astype(np.float32))
                 sel = (it.counts > 0)[None]  # [1, L, E]
             else:
-                if experts is None:
+                if experts is None or inputs is None:
                     continue
-                xs.append(it.layer_inputs[:, source].astype(np.float32))  # type: ignore[index]
+                xs.append(inputs[:, source].astype(np.float32))
                 sel = np.zeros((len(experts), num_layers, num_experts), bool)
                 np.put_along_axis(sel, experts.astype(np.int64), True, axis=2)
             y = np.zeros((len(sel), strides, num_experts), np.float32)

@@ -16,8 +16,8 @@ class PreviousTokenPredictor(Predictor):
         return self.predict_layers(query, [query.target_layer])[0]
 
     def predict_layers(self, query: PredictionQuery, targets: list[int]) -> np.ndarray:
-        if not query.history:
+        prev = query.history.last
+        if prev is None:
             return np.full((len(targets), self.num_experts), 1.0 / self.num_experts, np.float32)
-        prev = query.history[-1]
         # The selected experts first; the previous router distribution orders the rest (recall at budget > k).
         return 0.9 * row_normalise(prev.counts[targets]) + 0.1 * row_normalise(prev.probs[targets])

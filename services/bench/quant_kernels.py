@@ -1,13 +1,14 @@
 """Weight-only int8/int4 matmul kernels on one demo-model expert (SwiGLU), CPU, fp32 activations.
 
 Compares torch's own CPU ops, torchao 0.18 and hqq 0.2 against dequantise-then-matmul at 1/8/64 tokens;
-run with `PYTHONPATH=. python bench/quant_kernels.py` (writes bench/results/quant_kernels.{json,md}); torchao
+run with `hintserve bench quant-kernels` (writes bench/results/quant_kernels.{json,md}); torchao
 and hqq rows need `pip install torchao==0.18.0 hqq` (not project dependencies: neither is used, see the md).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 import warnings
@@ -17,8 +18,6 @@ import torch.nn.functional as F
 
 HIDDEN, INTER, GROUP = 256, 512, 64
 TOKENS = (1, 8, 64)
-torch.manual_seed(0)
-torch.set_num_threads(1)
 
 
 def timed(fn, x, repeats=300) -> float:
@@ -128,8 +127,11 @@ def variants(gu: torch.Tensor, d: torch.Tensor) -> dict:
     return out
 
 
-def main() -> None:
+def run_quant_kernels(out_dir: str = "bench/results") -> list[dict]:
+    """Times every variant at TOKENS tokens; writes OUT_DIR/quant_kernels.{json,md}; returns the rows."""
     warnings.filterwarnings("ignore")
+    torch.manual_seed(0)  # one thread and a fixed seed: the figures compare kernels, not cores
+    torch.set_num_threads(1)
     gu = torch.randn(2 * INTER, HIDDEN) * 0.05
     d = torch.randn(HIDDEN, INTER) * 0.05
     rows = []
@@ -152,13 +154,10 @@ def main() -> None:
         cells = [f"{r[f'us_{t}']:.0f} ({r[f'us_{t}'] / ref[f'us_{t}']:.2f}x)" for t in TOKENS]
         lines.append(f"| {r['kernel']} | " + " | ".join(cells) + " |")
     meta = {"hidden": HIDDEN, "intermediate": INTER, "group": GROUP, "threads": 1, "torch": torch.__version__}
-    with open("bench/results/quant_kernels.json", "w") as f:
+    with open(os.path.join(out_dir, "quant_kernels.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    with open("bench/results/quant_kernels.md", "w") as f:
+    with open(os.path.join(out_dir, "quant_kernels.md"), "w") as f:
         f.write(f"One demo-model expert (SwiGLU, hidden {HIDDEN}, intermediate {INTER}), 1 thread, median us\n\n")
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
-
-
-if __name__ == "__main__":
-    main()
+    return rows
