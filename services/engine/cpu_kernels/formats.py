@@ -17,6 +17,7 @@ activations' rounding).
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -193,5 +194,11 @@ def expert(x: torch.Tensor, gate_up: CpuMatrix, down: CpuMatrix | None) -> torch
     None: its activation [T, I] only."""
     rows = x.shape[0]
     width = gate_up.shape[0] // 2 if down is None else down.shape[0]
-    return moe(x, torch.zeros(rows, 1, dtype=torch.int64), torch.ones(rows, 1), alone(gate_up),
-               None if down is None else alone(down), width)
+    ids, weights = _one_expert_routing(rows)
+    return moe(x, ids, weights, alone(gate_up), None if down is None else alone(down), width)
+
+
+@functools.lru_cache(maxsize=64)
+def _one_expert_routing(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row to expert 0 at weight 1: made once per row count, not twice per expert call (read only)."""
+    return torch.zeros(rows, 1, dtype=torch.int64), torch.ones(rows, 1)
