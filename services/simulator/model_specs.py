@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from services.engine.expert_format import bits_per_parameter
 from services.engine.models.geometry import expert_params
 
 
@@ -30,16 +31,9 @@ MXFP4 = Precision("MXFP4", 4.0 + 8 / 32)
 
 
 def engine_expert_precision(expert_dtype: str, group_size: int, hidden: int, intermediate: int) -> Precision:
-    """The bits per expert parameter of our engine's `--expert-dtype` (services/engine/quant): int4 carries a
-    bf16 scale and zero per group of inputs, int8 one bf16 scale per output row."""
-    if expert_dtype == "bf16":
-        return Precision("bf16", 16.0)
-    if expert_dtype == "int4":
-        return Precision(f"int4 g{group_size}", 4.0 + 32 / group_size)
-    if expert_dtype == "int8":
-        rows, params = 2 * intermediate + hidden, 3 * hidden * intermediate
-        return Precision("int8 per row", 8.0 + 16 * rows / params)
-    raise ValueError(f"unknown expert dtype {expert_dtype!r}: use bf16, int8 or int4 (or auto: the spec's own)")
+    """The bits per expert parameter of our engine's `--expert-dtype` (services/engine/expert_format.py)."""
+    name = {"bf16": "bf16", "int4": f"int4 g{group_size}", "int8": "int8 per row"}.get(expert_dtype, expert_dtype)
+    return Precision(name, bits_per_parameter(expert_dtype, group_size, hidden, intermediate))
 
 
 def gqa_attention(

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from services.common.messages import Shape
+from services.engine.expert_format import ExpertLayout
 from services.engine.offload.expert_cache import ExpertCache
-from services.engine.offload.host_store import ExpertLayout
 from services.engine.offload.hybrid_provider import HybridExpertProvider
 from services.engine.offload.hybrid_setup import (
     hybrid_slots,

@@ -9,6 +9,7 @@ import torch
 from tqdm import tqdm
 from transformers import PretrainedConfig
 
+from services.engine.expert_format import ExpertLayout
 from services.engine.expert_provider import ExpertProvider, ExpertWeights, ResidentExpertProvider
 from services.engine.models.dense_layers import dense_layers
 from services.engine.models.fused_moe import StackedExperts, grouped_mm_supported, stackable
@@ -24,9 +25,8 @@ from services.engine.models.weights import (
     expert_loader,
     load_non_expert_weights,
 )
-from services.engine.offload.host_store import ExpertLayout
 from services.engine.quant.checkpoint import open_checkpoint
-from services.engine.quant.layout import QuantizedExpertLayout
+from services.engine.quant.layout import StoredLayout
 from services.engine.quant.packed import QuantizedExpertWeights
 
 # Resident routed experts are prepacked for oneDNN (a second copy) only up to this many bytes in all: the demo
@@ -48,7 +48,7 @@ class LoadedModel:
 def load_resident_experts(
     reader: WeightReader,
     spec: ModelSpec,
-    layout: ExpertLayout | QuantizedExpertLayout | None = None,
+    layout: StoredLayout | None = None,
     fused: bool = True,
 ) -> ResidentExpertProvider:
     """Every expert on the device, as read or (with a quantized `layout`) packed into one buffer each. On the
@@ -79,7 +79,7 @@ def load_resident_experts(
 
 
 def _place(
-    w: ExpertWeights, layout: ExpertLayout | QuantizedExpertLayout | None, device: torch.device | str
+    w: ExpertWeights, layout: StoredLayout | None, device: torch.device | str
 ) -> ExpertWeights | QuantizedExpertWeights:
     if layout is None or (isinstance(layout, ExpertLayout) and layout.dtype == w.gate_up.dtype):
         return w  # already in the form the layout asks for: no copy

@@ -8,8 +8,9 @@ import torch
 
 from services.engine.expert_provider import ExpertWeights
 from services.engine.offload.eviction.base import EvictionPolicy
-from services.engine.offload.host_store import ExpertLayout, Key
+from services.engine.offload.host_store import Key
 from services.engine.offload.link import ReadyEvent
+from services.engine.quant.layout import StoredLayout
 from services.engine.step_context import StepContext
 
 
@@ -35,7 +36,7 @@ class Slot:
 
 class ExpertCache:
     def __init__(
-        self, num_slots: int, layout: ExpertLayout, dtype: torch.dtype, device: str, eviction: EvictionPolicy
+        self, num_slots: int, layout: StoredLayout, dtype: torch.dtype, device: str, eviction: EvictionPolicy
     ) -> None:
         self.layout = layout
         self.eviction = eviction

@@ -5,41 +5,16 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
-from services.engine.expert_provider import ExpertWeights
+from services.engine.expert_format import ExpertLayout
 from services.engine.models.spec import ModelSpec
 from services.engine.models.weights import WeightReader, expert_loader
+from services.engine.quant.layout import StoredLayout
 
 Key = tuple[int, int]  # (layer, expert)
 
 
-class ExpertLayout:
-    """Where gate_up and down live inside one flat expert buffer (also the chunks of a transfer).
-
-    The dense layout; services/engine/quant/layout.py has the packed int8/int4 one with the same interface."""
-
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype = torch.float32) -> None:
-        self.dtype = dtype
-        self.gate_up_shape = (2 * intermediate, hidden)
-        self.down_shape = (hidden, intermediate)
-        self.gate_up_numel = 2 * intermediate * hidden
-        self.numel = self.gate_up_numel + hidden * intermediate
-
-    def pack(self, w: ExpertWeights, flat: torch.Tensor) -> None:
-        flat[: self.gate_up_numel].copy_(w.gate_up.flatten())
-        flat[self.gate_up_numel :].copy_(w.down.flatten())
-
-    def views(self, flat: torch.Tensor) -> ExpertWeights:
-        return ExpertWeights(
-            flat[: self.gate_up_numel].view(self.gate_up_shape), flat[self.gate_up_numel :].view(self.down_shape)
-        )
-
-    def chunks(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """One chunk per expert matrix, so a demand fetch waits at most one matrix behind a prefetch."""
-        return [flat[: self.gate_up_numel], flat[self.gate_up_numel :]]
-
-
 class HostExpertStore:
-    def __init__(self, reader: WeightReader, spec: ModelSpec, pin: bool, layout: ExpertLayout | None = None) -> None:
+    def __init__(self, reader: WeightReader, spec: ModelSpec, pin: bool, layout: StoredLayout | None = None) -> None:
         self.layout = layout or ExpertLayout(spec.hidden_size, spec.moe_intermediate_size, reader.dtype)
         self.dtype = self.layout.dtype
         self.buffers: dict[Key, torch.Tensor] = {}

@@ -14,9 +14,10 @@ import math
 
 import torch
 
+from services.engine.expert_format import ExpertLayout
 from services.engine.offload.cost_model import PlacementCosts
-from services.engine.offload.host_store import ExpertLayout
 from services.engine.offload.placement import CostPlacement, SplitPrices
+from services.engine.quant.layout import StoredLayout
 from services.engine.step_context import Phase, StepContext
 
 
@@ -64,7 +65,7 @@ def staging_slots(buffers: int, split: SplitPrices) -> int:
     return math.ceil(buffers * split.link - 1e-9)
 
 
-def layout_split_prices(layout: ExpertLayout) -> SplitPrices | None:
+def layout_split_prices(layout: StoredLayout) -> SplitPrices | None:
     """The engine's: the dense layout splits, a packed one (quant/layout.py) does not."""
     down = layout.numel - layout.gate_up_numel
     return split_prices((layout.gate_up_numel, down), type(layout) is ExpertLayout)
@@ -74,7 +75,7 @@ class DownStaging:
     """Device buffers for the down matrices of a layer's split experts, reused layer after layer (as many as
     `staging_buffers` gives), so the budget gives up little; the placement splits no more than are free."""
 
-    def __init__(self, layout: ExpertLayout, device: torch.device | str, capacity: int) -> None:
+    def __init__(self, layout: StoredLayout, device: torch.device | str, capacity: int) -> None:
         self.shape = layout.down_shape
         numel = layout.numel - layout.gate_up_numel
         self.buffers = [torch.empty(numel, dtype=layout.dtype, device=device) for _ in range(capacity)]

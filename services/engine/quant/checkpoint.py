@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.engine.expert_format import nearest_group_size
 from services.engine.models.checkpoint import Checkpoint
 from services.engine.quant.awq import dequantize_awq
 from services.engine.quant.compressed_tensors import dequantize_compressed
@@ -33,7 +34,7 @@ class CheckpointQuant:
 
     @property
     def expert_group_size(self) -> int:
-        return self.group_size if self.group_size in (32, 64, 128) else 128
+        return nearest_group_size(self.group_size)
 
 
 def checkpoint_quant(quantization_config: dict | None, names: list[str]) -> CheckpointQuant | None:

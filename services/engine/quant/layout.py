@@ -6,12 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+from services.engine.expert_format import EXPERT_DTYPES, ExpertLayout
 from services.engine.expert_provider import ExpertWeights
-from services.engine.offload.host_store import ExpertLayout
 from services.engine.quant.packed import PackedMatrix, QuantizedExpertWeights, QuantScheme, pack_matrix
 
-EXPERT_DTYPES = ("auto", "bf16", "int8", "int4")
-GROUP_SIZES = (32, 64, 128)
 _ALIGN = 64  # bytes: every piece (and every slot) starts on a cache line, so typed views are aligned
 
 
@@ -74,10 +72,13 @@ class QuantizedExpertLayout:
                             qweight.view(flat), scales.view(flat), on_cpu=self.device.type == "cpu")
 
 
+StoredLayout = ExpertLayout | QuantizedExpertLayout  # one expert's flat buffer, dense or packed
+
+
 def expert_layout(
     hidden: int, intermediate: int, expert_dtype: str, group_size: int, run_dtype: torch.dtype,
     device: torch.device | str,
-) -> ExpertLayout | QuantizedExpertLayout:
+) -> StoredLayout:
     """The layout every copy of an expert uses: dense in the run dtype (auto) or bf16, or packed int8/int4."""
     if expert_dtype not in EXPERT_DTYPES:
         raise ValueError(f"unknown expert dtype {expert_dtype!r}: use {', '.join(EXPERT_DTYPES)}")

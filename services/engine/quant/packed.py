@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.engine.cpu_kernels import formats
+from services.engine.expert_format import check_group_size
 from services.engine.quant.groupwise import quantize_int4, quantize_int8
 
 SCALE_DTYPE = torch.bfloat16  # what the kernels take (CUDA's int4 kernel accepts nothing else)
@@ -25,8 +26,7 @@ class QuantScheme:
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
             raise ValueError(f"quantized experts have 4 or 8 bits, got {self.bits}")
-        if self.group_size not in (32, 64, 128):
-            raise ValueError(f"expert group size must be 32, 64 or 128, got {self.group_size}")
+        check_group_size(self.group_size)
 
 
 @dataclass
