@@ -2,15 +2,35 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Protocol
+
 import torch
 from tqdm import tqdm
 
 from services.engine.expert_format import ExpertLayout
+from services.engine.expert_provider import ExpertWeights
 from services.engine.models.spec import ModelSpec
 from services.engine.models.weights import WeightReader, expert_loader
 from services.engine.quant.layout import StoredLayout
+from services.engine.quant.packed import QuantizedExpertWeights
 
 Key = tuple[int, int]  # (layer, expert)
+
+
+class ExpertStore(Protocol):
+    """Every expert in host memory, as the offloaded provider reads it (the simulator's stand-in holds none)."""
+
+    @property
+    def layout(self) -> StoredLayout: ...
+
+    @property
+    def buffers(self) -> Mapping[Key, torch.Tensor]: ...
+
+    @property
+    def expert_bytes(self) -> int: ...
+
+    def weights(self, key: Key) -> ExpertWeights | QuantizedExpertWeights | None: ...
 
 
 class HostExpertStore:
@@ -18,7 +38,7 @@ class HostExpertStore:
         self.layout = layout or ExpertLayout(spec.hidden_size, spec.moe_intermediate_size, reader.dtype)
         self.dtype = self.layout.dtype
         self.buffers: dict[Key, torch.Tensor] = {}
-        self._views: dict[Key, object] = {}
+        self._views: dict[Key, ExpertWeights | QuantizedExpertWeights] = {}
         layers = [layer for layer in range(spec.num_layers) if spec.moe_layers[layer]]
         for layer in tqdm(layers, desc="host expert store", unit="layer", leave=False):
             load = expert_loader(reader, spec, layer)
@@ -36,7 +56,7 @@ class HostExpertStore:
     def total_bytes(self) -> int:
         return self.expert_bytes * len(self.buffers)
 
-    def weights(self, key: Key):  # ExpertWeights, or QuantizedExpertWeights for a packed layout
+    def weights(self, key: Key) -> ExpertWeights | QuantizedExpertWeights:
         views = self._views.get(key)
         if views is None:  # built once: a host expert's views are asked for on every miss
             views = self._views[key] = self.layout.views(self.buffers[key])

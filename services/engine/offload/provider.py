@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.engine.expert_provider import ExpertProvider, ExpertWeights, LayerPlan
 from services.engine.offload.eviction.base import EvictionPolicy
 from services.engine.offload.expert_cache import ExpertCache, Slot
-from services.engine.offload.host_store import HostExpertStore, Key
+from services.engine.offload.host_store import ExpertStore, Key
 from services.engine.offload.link import ReadyEvent
 from services.engine.offload.prefetch.base import Prefetcher, PrefetchRequest
 from services.engine.offload.stats import OffloadStats
@@ -17,6 +18,7 @@ from services.engine.offload.transfer_engine import Transfer, TransferEngine
 from services.engine.step_context import StepContext
 
 _DEMAND = float("inf")
+Fence = Callable[[], object]  # CUDA: records a compute-stream event the link waits on before reusing a slot
 
 
 @dataclass(frozen=True)
@@ -32,14 +34,14 @@ class OffloadedExpertProvider(ExpertProvider):
 
     def __init__(
         self,
-        store: HostExpertStore,
+        store: ExpertStore,
         cache: ExpertCache,
         transfers: TransferEngine,
         prefetchers: list[Prefetcher],
         rules: PhaseRules,
         stats: OffloadStats,
         stream_slots: int = 2,
-        fence=None,
+        fence: Fence | None = None,
     ) -> None:
         self.store = store
         self.cache = cache

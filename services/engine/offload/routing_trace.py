@@ -5,6 +5,8 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import os
+from dataclasses import dataclass
 
 from services.engine.step_context import StepContext
 
@@ -72,3 +74,22 @@ class RoutingTrace:
         with open(path) as f:
             data = json.load(f)
         return cls(data["num_layers"], data["steps"])
+
+
+@dataclass(frozen=True)
+class TraceFile:
+    """A recorded routing trace's path (--routing-trace), loaded only by the parts that replay it."""
+
+    path: str | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.path)
+
+    def load(self, user: str) -> RoutingTrace:
+        """The trace, or a one-line error naming `user` (the policy that replays it) when it is missing."""
+        if not self.path or not os.path.isfile(self.path):
+            raise ValueError(
+                f"policy {user!r} replays a recorded routing trace: pass --routing-trace FILE "
+                "(record one with the resident policy on the same prompts)"
+            )
+        return RoutingTrace.load(self.path)

@@ -8,6 +8,8 @@ import torch
 
 from services.engine.expert_format import EXPERT_DTYPES, ExpertLayout
 from services.engine.expert_provider import ExpertWeights
+from services.engine.models.geometry import ExpertGeometry
+from services.engine.quant.checkpoint import CheckpointQuant
 from services.engine.quant.packed import PackedMatrix, QuantizedExpertWeights, QuantScheme, pack_matrix
 
 _ALIGN = 64  # bytes: every piece (and every slot) starts on a cache line, so typed views are aligned
@@ -89,11 +91,13 @@ def expert_layout(
     return QuantizedExpertLayout(hidden, intermediate, QuantScheme(int(expert_dtype[3:]), group_size), device)
 
 
-def config_expert_layout(config, spec, run_dtype: torch.dtype, ckpt: object = None) -> ExpertLayout | QuantizedExpertLayout:
-    """The layout an EngineConfig's --expert-dtype / --expert-group-size ask for; `auto` on a quantized
-    checkpoint keeps its bit width (int4 for GPTQ/AWQ/int4 compressed-tensors, int8 for FP8) and group size."""
-    dtype, group = config.expert_dtype, config.expert_group_size
-    quant = getattr(ckpt, "quant", None)
-    if dtype == "auto" and quant is not None:
-        dtype, group = quant.expert_dtype, quant.expert_group_size
-    return expert_layout(spec.hidden_size, spec.moe_intermediate_size, dtype, group, run_dtype, config.device)
+def settings_expert_layout(
+    expert_dtype: str, group_size: int, geometry: ExpertGeometry, run_dtype: torch.dtype, device: str,
+    quant: CheckpointQuant | None = None,
+) -> StoredLayout:
+    """The layout --expert-dtype / --expert-group-size ask for; `auto` on a quantized checkpoint (`quant`)
+    keeps its bit width (int4 for GPTQ/AWQ/int4 compressed-tensors, int8 for FP8) and group size."""
+    if expert_dtype == "auto" and quant is not None:
+        expert_dtype, group_size = quant.expert_dtype, quant.expert_group_size
+    return expert_layout(geometry.hidden_size, geometry.moe_intermediate_size, expert_dtype, group_size,
+                         run_dtype, device)
