@@ -34,7 +34,9 @@ class RecordingLink(EmulatedLink):
         self.entered = threading.Event()  # the worker is inside its first copy
         self.labels: dict[int, str] = {}
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, issued_at: float = 0.0) -> None:
+    def copy(
+        self, dst: torch.Tensor, src: torch.Tensor, fence: torch.cuda.Event | None = None, *, issued_at: float = 0.0
+    ) -> None:
         self.entered.set()
         self.go.wait()
         self.order.append(self.labels[src.data_ptr()])

@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from services.docs import bench_tables, cli_reference, dashboards, headlines, http_api, knobs
+from services.docs import bench_tables, cli_reference, dashboards, headlines, http_api, knobs, policies
 
 BLOCK = re.compile(r"(<!-- generated: (?P<directive>[^>]*?) -->\n)(?P<body>.*?)(<!-- end generated -->)", re.S)
 
@@ -44,6 +44,8 @@ def fill_blocks(text: str, root: Path) -> str:
         kind, _, rest = directive.partition(" ")
         if kind == "headline":
             body = headlines.render(results, link_prefix=rest.strip())
+        elif kind == "policies":
+            body = policies.render()
         elif kind == "grafana":
             body = dashboards.render(root / rest.strip())
         elif kind == "calibration":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 
@@ -40,7 +41,7 @@ class EngineConfig:
     routing_trace: str | None = None  # recorded routing for the oracle / belady policies
     # Routed experts' storage everywhere they live (services/engine/quant): auto = the run dtype unquantized.
     expert_dtype: str = "auto"  # auto | bf16 | int8 (per output row) | int4 (per group of inputs)
-    expert_group_size: int = DEFAULT_GROUP_SIZE  # int4: inputs per (scale, zero), one of GROUP_SIZES
+    expert_group_size: int = DEFAULT_GROUP_SIZE  # int4: inputs per (scale, zero)
     # Non-expert matrices (attention projections, LM head) on the CPU: auto = the run dtype; see native_linear.
     weight_dtype: str = "auto"  # auto | fp32 | bf16 | int8 (per output row) | int4 (per group of inputs)
     weight_group_size: int = 64  # int4 dense matrices: inputs per (scale, zero): 64 or 128
@@ -107,7 +108,7 @@ class EngineConfig:
     @classmethod
     def from_env(cls, **overrides: object) -> EngineConfig:
         """Fields from HINTSERVE_<FIELD> environment variables, then explicit overrides."""
-        values: dict[str, object] = {}
+        values: dict[str, Any] = {}  # each parsed as its field's type
         for f in fields(cls):
             raw = os.environ.get(f"HINTSERVE_{f.name.upper()}")
             if raw is None or f.name == "extra":
@@ -123,4 +124,4 @@ class EngineConfig:
             else:
                 values[f.name] = raw
         values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)  # type: ignore[arg-type]
+        return cls(**values)

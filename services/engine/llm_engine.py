@@ -7,7 +7,7 @@ import logging
 import math
 import os
 import time
-from collections import Counter
+from collections import defaultdict
 
 import torch
 from transformers import AutoTokenizer
@@ -106,7 +106,7 @@ class LLMEngine:
         )
         self.input_processor = InputProcessor(self.tokenizer, self.limits)
         self._streams: dict[str, tuple[Sequence, RequestStream | None]] = {}
-        self.counters: Counter[str] = Counter()
+        self.counters: defaultdict[str, float] = defaultdict(float)  # counts and seconds, exported as floats
 
     def _capture_graphs(self) -> None:
         """CUDA graphs for every decode bucket; a capture that fails leaves decode eager, with a warning."""

@@ -202,16 +202,11 @@ def _mixtral(
     )
 
 
-_DEEPSEEK = dict(
-    hidden_size=2048,
-    num_experts=64,
-    top_k=6,
-    moe_intermediate_size=1408,
-    vocab_size=102400,
-    dense_layers=(0,),
-    dense_intermediate_size=10944,
-    shared_intermediate_size=2 * 1408,
-)
+def _deepseek(name: str, description: str, num_layers: int, attention: tuple[int, int]) -> MoEModelSpec:
+    """DeepSeek's small MoE family: layer 0 dense, 64 experts top-6 + 2 shared."""
+    return MoEModelSpec(name, description, num_layers=num_layers, attention=attention, hidden_size=2048,
+                        num_experts=64, top_k=6, moe_intermediate_size=1408, vocab_size=102400, dense_layers=(0,),
+                        dense_intermediate_size=10944, shared_intermediate_size=2 * 1408)
 
 # fmt: off
 MODEL_SPECS: dict[str, MoEModelSpec] = {s.name: s for s in (
@@ -224,10 +219,10 @@ MODEL_SPECS: dict[str, MoEModelSpec] = {s.name: s for s in (
                  hidden_size=2048, num_layers=24, num_experts=60, top_k=4, moe_intermediate_size=1408,
                  vocab_size=151936, attention=gqa_attention(2048, 16, 16, 128, qkv_bias=True),
                  shared_intermediate_size=5632),
-    MoEModelSpec("deepseek-v2-lite", "DeepSeek-V2-Lite, fp16: MLA, layer 0 dense, 64 experts top-6 + 2 shared",
-                 num_layers=27, attention=mla_attention(2048, 16, 512, 128, 64, 128), **_DEEPSEEK),
-    MoEModelSpec("deepseek-moe-16b", "DeepSeek-MoE-16B (ProMoE's DS-1), fp16: layer 0 dense, 64 experts top-6 + 2 "
-                 "shared", num_layers=28, attention=gqa_attention(2048, 16, 16, 128), **_DEEPSEEK),
+    _deepseek("deepseek-v2-lite", "DeepSeek-V2-Lite, fp16: MLA, layer 0 dense, 64 experts top-6 + 2 shared",
+              27, mla_attention(2048, 16, 512, 128, 64, 128)),
+    _deepseek("deepseek-moe-16b", "DeepSeek-MoE-16B (ProMoE's DS-1), fp16: layer 0 dense, 64 experts top-6 + 2 "
+              "shared", 28, gqa_attention(2048, 16, 16, 128)),
     MoEModelSpec("qwen3-30b-a3b", "Qwen3-30B-A3B, fp16: 128 experts top-8", hidden_size=2048, num_layers=48,
                  num_experts=128, top_k=8, moe_intermediate_size=768, vocab_size=151936,
                  attention=gqa_attention(2048, 32, 4, 128)),

@@ -18,6 +18,7 @@ import torch
 
 from services.common.messages import Shape
 from services.engine.expert_format import ExpertLayout
+from services.engine.expert_provider import StoredWeights
 from services.engine.offload.assembler import OffloadParts, assemble_provider
 from services.engine.offload.host_store import Key
 from services.engine.offload.hybrid_setup import is_hybrid
@@ -29,6 +30,7 @@ from services.engine.offload.routing_trace import TraceFile
 from services.engine.offload.settings import OffloadSettings
 from services.engine.offload.split_experts import split_prices
 from services.engine.offload.stats import OffloadStats
+from services.engine.offload.transfer_engine import TransferEngine
 from services.engine.step_context import StepContext
 from services.simulator.hardware import CostModel
 from services.simulator.hint_link import SimPredictorLink
@@ -39,6 +41,9 @@ from services.simulator.workload import Workload
 # The cache's slot storage holds no weights in a simulation: three numbers per slot, split into the same
 # two chunks (gate/up, down) the engine's layout has; the bytes each chunk costs come from the model spec.
 PLACEHOLDER_LAYOUT = ExpertLayout(1, 1)
+
+
+PLACEHOLDER_WEIGHTS = PLACEHOLDER_LAYOUT.views(torch.zeros(PLACEHOLDER_LAYOUT.numel))
 
 
 class _PlaceholderBuffers(Mapping[Key, torch.Tensor]):
@@ -65,8 +70,8 @@ class SimStore:
     layout: ExpertLayout = PLACEHOLDER_LAYOUT
     buffers: _PlaceholderBuffers = field(default_factory=_PlaceholderBuffers)
 
-    def weights(self, key: Key) -> None:
-        return None  # the simulated host executor prices a job by its tokens only
+    def weights(self, key: Key) -> StoredWeights:
+        return PLACEHOLDER_WEIGHTS  # the simulated host executor prices a job by its tokens only
 
 
 @dataclass
@@ -148,7 +153,7 @@ def build_offload(
         engines.append(SimTransferEngine(SimLink(link_bytes_per_second), stats, clock, spec.expert_chunk_bytes, dram))
         return engines[-1]
 
-    def host(stats: OffloadStats, _transfers: object) -> SimHostExecutor:
+    def host(stats: OffloadStats, _transfers: TransferEngine) -> SimHostExecutor:
         assert cost is not None  # a hybrid policy is only simulated with a cost model (below)
         hosts.append(SimHostExecutor(cost, clock, stats, engines[-1], spec.expert_bytes))
         return hosts[-1]

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
+from services.engine.expert_provider import ExpertProvider
 from services.engine.models.dense_layers import dense_layers
 from services.engine.models.model import MoECausalLM
 from services.engine.models.native_linear import dense_format
@@ -57,6 +58,7 @@ def load_model(
     weights = load_non_expert_weights(reader, spec)
     dense = dense_layers(weights, dense_format(weight_dtype, torch_dtype) if device == "cpu" else None,
                          weight_group_size)
+    provider: ExpertProvider
     if offload is None:
         provider = load_resident_experts(reader, spec)
     else:

@@ -47,11 +47,11 @@ def load_resident_experts(
         natives.append(native)
         if native is None and fused and stackable(layer_experts) and grouped_mm_supported(reader.device, layer_experts[0].gate_up.dtype):
             pack = small and should_pack(str(reader.device), layer_experts[0].gate_up.dtype)
-            stacked = StackedExperts.stack(layer_experts, pack)  # type: ignore[arg-type]
+            stacked = StackedExperts.stack(layer_experts, pack)
             layer_experts = [stacked.expert(e) for e in range(spec.num_experts)]
         experts.append(layer_experts)
         stacks.append(stacked)
-    return ResidentExpertProvider(experts, stacks, natives)  # type: ignore[arg-type]
+    return ResidentExpertProvider(experts, stacks, natives)
 
 
 def _place(

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from services.engine.expert_provider import HostCompute
 from services.engine.models.geometry import ExpertGeometry
 from services.engine.models.spec import ModelSpec
 from services.engine.models.weights import NonExpertWeights
@@ -19,7 +20,7 @@ from services.engine.offload.cost_model import PlacementCosts
 from services.engine.offload.eviction import EvictionInputs, make_eviction
 from services.engine.offload.expert_cache import ExpertCache
 from services.engine.offload.host_store import ExpertStore
-from services.engine.offload.hybrid_provider import HostCompute, HybridExpertProvider
+from services.engine.offload.hybrid_provider import HybridExpertProvider
 from services.engine.offload.hybrid_setup import (
     hybrid_slots,
     is_hybrid,

@@ -9,11 +9,10 @@ import torch
 from tqdm import tqdm
 
 from services.engine.expert_format import ExpertLayout
-from services.engine.expert_provider import ExpertWeights
+from services.engine.expert_provider import StoredWeights
 from services.engine.models.spec import ModelSpec
 from services.engine.models.weights import WeightReader, expert_loader
 from services.engine.quant.layout import StoredLayout
-from services.engine.quant.packed import QuantizedExpertWeights
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -30,7 +29,7 @@ class ExpertStore(Protocol):
     @property
     def expert_bytes(self) -> int: ...
 
-    def weights(self, key: Key) -> ExpertWeights | QuantizedExpertWeights | None: ...
+    def weights(self, key: Key) -> StoredWeights: ...
 
 
 class HostExpertStore:
@@ -38,7 +37,7 @@ class HostExpertStore:
         self.layout = layout or ExpertLayout(spec.hidden_size, spec.moe_intermediate_size, reader.dtype)
         self.dtype = self.layout.dtype
         self.buffers: dict[Key, torch.Tensor] = {}
-        self._views: dict[Key, ExpertWeights | QuantizedExpertWeights] = {}
+        self._views: dict[Key, StoredWeights] = {}
         layers = [layer for layer in range(spec.num_layers) if spec.moe_layers[layer]]
         for layer in tqdm(layers, desc="host expert store", unit="layer", leave=False):
             load = expert_loader(reader, spec, layer)
@@ -56,7 +55,7 @@ class HostExpertStore:
     def total_bytes(self) -> int:
         return self.expert_bytes * len(self.buffers)
 
-    def weights(self, key: Key) -> ExpertWeights | QuantizedExpertWeights:
+    def weights(self, key: Key) -> StoredWeights:
         views = self._views.get(key)
         if views is None:  # built once: a host expert's views are asked for on every miss
             views = self._views[key] = self.layout.views(self.buffers[key])

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 import torch
 
-from services.engine.expert_provider import ExpertWeights, HostResult, LayerPlan
+from services.engine.expert_format import ExpertLayout
+from services.engine.expert_provider import HostCompute, HostResult, LayerPlan
 from services.engine.offload.cost_model import PlacementCosts
 from services.engine.offload.expert_cache import ExpertCache, Slot
 from services.engine.offload.host_store import ExpertStore, Key
-from services.engine.offload.link import EmulatedLink, ReadyEvent
+from services.engine.offload.link import EmulatedLink, Landed
 from services.engine.offload.placement import Placement
 from services.engine.offload.prefetch.base import Prefetcher, PrefetchRequest
 from services.engine.offload.prefetch_gate import PrefetchGate
@@ -22,38 +22,9 @@ from services.engine.offload.provider import Fence, OffloadedExpertProvider, Pha
 from services.engine.offload.split_experts import DownStaging
 from services.engine.offload.stats import OffloadStats
 from services.engine.offload.transfer_engine import Transfer, TransferEngine
-from services.engine.quant.packed import QuantizedExpertWeights
 from services.engine.step_context import StepContext
 
 QUIET_AFTER_STEPS = 4  # decode steps without a miss before the per-step machinery stops
-
-
-class Landed(ReadyEvent):
-    """A pinned expert copied at start-up, before serving."""
-
-    def is_ready(self) -> bool:
-        return True
-
-    def wait(self) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-
-class HostCompute(Protocol):
-    """What computes host-placed experts: the engine's HostExecutor, or the simulator's host timeline."""
-
-    def submit(
-        self, weights: ExpertWeights | QuantizedExpertWeights | None, x: torch.Tensor, activation: bool = False,
-        share: float = 1.0,
-    ) -> HostResult: ...
-
-    def flush(self) -> None: ...
-
-    def backlog_seconds(self) -> float: ...
-
-    def shutdown(self) -> None: ...
 
 
 class HybridExpertProvider(OffloadedExpertProvider):
@@ -77,9 +48,11 @@ class HybridExpertProvider(OffloadedExpertProvider):
         self.costs: PlacementCosts | None = placement.costs  # measured prices; None for a host-only placement
         self.split_prices = placement.split_prices
         self.staging: DownStaging | None = None
-        if self.split_prices is not None and split_staging > 0:
+        layout = store.layout
+        if self.split_prices is not None and split_staging > 0 and isinstance(layout, ExpertLayout):
+            # Only a dense expert splits (offload/split_experts.py): its down matrix is a plain slice.
             device = self.cache.storage[0].device if len(self.cache.slots) else "cpu"
-            self.staging = DownStaging(self.store.layout, device, capacity=split_staging)
+            self.staging = DownStaging(layout, device, capacity=split_staging)
         self._split: dict[int, tuple[int, Transfer]] = {}  # this layer's split experts: staging buffer, down
         self._downs: dict[Key, torch.Tensor] = {}  # each expert's down matrix in the host store (views)
         self._hot_missing: list[Key] = []  # hot-set experts not cached, as of the last step end
@@ -356,11 +329,6 @@ class HybridExpertProvider(OffloadedExpertProvider):
     def _staging(self) -> DownStaging:
         assert self.staging is not None, "no staging: the placement splits no expert"
         return self.staging
-
-    def _transfer_of(self, key: Key) -> Transfer:
-        slot = self.cache.lookup(key)
-        assert slot is not None and slot.transfer is not None, f"{key} is not on the link"
-        return slot.transfer
 
     @property
     def device_bytes(self) -> int:

@@ -41,19 +41,19 @@ class RoutingTrace:
 
     def next_use(self, key: Key, step: int, layer: int) -> float:
         """Position (step * layers + layer) of the next use of `key` after (step, layer); inf if never."""
-        if self._positions is None:
-            self._index()
-        positions = self._positions.get(key, [])  # type: ignore[union-attr]
+        index = self._positions if self._positions is not None else self._index()
+        positions = index.get(key, [])
         i = bisect.bisect_right(positions, step * self.num_layers + layer)
         return positions[i] if i < len(positions) else math.inf
 
-    def _index(self) -> None:
+    def _index(self) -> dict[Key, list[int]]:
         positions: dict[Key, list[int]] = {}
         for step, layers in enumerate(self.steps):
             for layer, experts in enumerate(layers):
                 for e in experts:
                     positions.setdefault((layer, e), []).append(step * self.num_layers + layer)
         self._positions = positions
+        return positions
 
     def hot_set(self, size: int) -> set[Key]:
         """The `size` most frequently used experts (a static policy's pinned set)."""
@@ -62,7 +62,7 @@ class RoutingTrace:
             for layer, experts in enumerate(layers):
                 for e in experts:
                     counts[(layer, e)] = counts.get((layer, e), 0) + 1
-        return set(sorted(counts, key=counts.get, reverse=True)[:size])  # type: ignore[arg-type]
+        return set(sorted(counts, key=lambda k: counts[k], reverse=True)[:size])
 
     # ---- files ----
     def save(self, path: str) -> None:

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import torch
 
-from services.engine.expert_provider import ExpertProvider
+from services.engine.expert_provider import ExpertProvider, HostCompute
 from services.engine.models.geometry import ExpertGeometry, expert_bytes
 from services.engine.models.resident import load_resident_experts
 from services.engine.models.spec import ModelSpec
@@ -55,7 +55,9 @@ def _one_dram(costs: PlacementCosts, link: EmulatedLink, reference: int, stored:
     return replace(costs, dram=link.bus.capacity, host_bytes=reference, link_bytes=stored)
 
 
-def _host_executor(settings: OffloadSettings, costs: PlacementCosts, link: Link) -> Callable[..., HostExecutor]:
+def _host_executor(
+    settings: OffloadSettings, costs: PlacementCosts, link: Link
+) -> Callable[[OffloadStats, TransferEngine], HostCompute]:
     """On CUDA the host is real; on the CPU it is emulated at the measured prices, on the link's DRAM."""
     cuda = settings.device.startswith("cuda")
     emulated = None if cuda else costs.host

@@ -75,11 +75,11 @@ class DownStaging:
     """Device buffers for the down matrices of a layer's split experts, reused layer after layer (as many as
     `staging_buffers` gives), so the budget gives up little; the placement splits no more than are free."""
 
-    def __init__(self, layout: StoredLayout, device: torch.device | str, capacity: int) -> None:
+    def __init__(self, layout: ExpertLayout, device: torch.device | str, capacity: int) -> None:
         self.shape = layout.down_shape
         numel = layout.numel - layout.gate_up_numel
         self.buffers = [torch.empty(numel, dtype=layout.dtype, device=device) for _ in range(capacity)]
-        self.fences: list[object | None] = [None] * capacity  # CUDA: compute done reading the buffer
+        self.fences: list[torch.cuda.Event | None] = [None] * capacity  # CUDA: compute done reading the buffer
         self._free = list(range(capacity - 1, -1, -1))
 
     @property
@@ -91,7 +91,7 @@ class DownStaging:
             raise RuntimeError(f"more split experts in one layer than {len(self.buffers)} staging buffers")
         return self._free.pop()
 
-    def release(self, index: int, fence: object | None) -> None:
+    def release(self, index: int, fence: torch.cuda.Event | None) -> None:
         self.fences[index] = fence
         self._free.append(index)
 

@@ -63,6 +63,7 @@ def pack_matrix(w: torch.Tensor, scheme: QuantScheme, device: torch.device | str
     n, k = w.shape
     if device.type == "cpu":
         m = formats.pack(w, f"int{scheme.bits}", scheme.group_size)
+        assert m.scales is not None  # an integer format has its scales
         return PackedMatrix(scheme.bits, scheme.group_size, (n, k), m.weight, m.scales, on_cpu=True)
     if scheme.bits == 8:
         q, scale = quantize_int8(w)
@@ -78,6 +79,7 @@ def pack_int4(
     n, k = q.shape
     if device.type == "cpu":
         m = formats.from_int4(q, scale, zero, group_size)
+        assert m.scales is not None  # an integer format has its scales
         return PackedMatrix(4, group_size, (n, k), m.weight, m.scales, on_cpu=True)
     scales = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(device, SCALE_DTYPE)
     nibbles = (q[:, ::2] << 4 | q[:, 1::2]).to(device, torch.uint8)

@@ -45,7 +45,7 @@ class SpeculativePrefetcher(Prefetcher):
             plan = self._targets[layer] = targets(layer, self.distance, self.spec.moe_layers)
         # Per target: each expert's votes (tokens choosing it), mean score and best score, read back to
         # Python in one transfer; small-tensor ops and unique() cost more than the routers themselves.
-        rows = []
+        rows: list[torch.Tensor] = []
         for _, target, _ in plan:
             chosen, probs = self.guess(layer, target, ctx)
             votes = torch.bincount(chosen.flatten(), minlength=probs.shape[-1]).to(probs.dtype)
