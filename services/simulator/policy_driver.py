@@ -21,6 +21,7 @@ from services.engine.expert_format import ExpertLayout
 from services.engine.expert_provider import StoredWeights
 from services.engine.offload.assembler import OffloadParts, assemble_provider
 from services.engine.offload.host_store import Key
+from services.engine.offload.hybrid_provider import HybridExpertProvider
 from services.engine.offload.hybrid_setup import is_hybrid
 from services.engine.offload.memory_bus import MemoryBus
 from services.engine.offload.policies import OffloadPolicy
@@ -146,17 +147,13 @@ def build_offload(
     )
     # One DRAM: the link's copies and the host's expert math read it together (offload/memory_bus.py).
     dram = MemoryBus(cost.dram_bytes_per_second(spec.expert_bytes) if cost is not None else math.inf)
-    engines: list[SimTransferEngine] = []
-    hosts: list[SimHostExecutor] = []
 
     def transfers(stats: OffloadStats) -> SimTransferEngine:
-        engines.append(SimTransferEngine(SimLink(link_bytes_per_second), stats, clock, spec.expert_chunk_bytes, dram))
-        return engines[-1]
+        return SimTransferEngine(SimLink(link_bytes_per_second), stats, clock, spec.expert_chunk_bytes, dram)
 
-    def host(stats: OffloadStats, _transfers: TransferEngine) -> SimHostExecutor:
-        assert cost is not None  # a hybrid policy is only simulated with a cost model (below)
-        hosts.append(SimHostExecutor(cost, clock, stats, engines[-1], spec.expert_bytes))
-        return hosts[-1]
+    def host(stats: OffloadStats, link: TransferEngine) -> SimHostExecutor:
+        assert cost is not None and isinstance(link, SimTransferEngine)  # made above, priced by `cost`
+        return SimHostExecutor(cost, clock, stats, link, spec.expert_bytes)
 
     hybrid = is_hybrid(policy) and cost is not None
     parts = OffloadParts(
@@ -175,7 +172,11 @@ def build_offload(
         shape = Shape(spec.name, spec.num_layers, spec.num_experts, spec.top_k, int(embedding))
         first_moe = spec.moe_layers.index(True)
         hint_link = SimPredictorLink(hints[0], policy.predictor, shape, clock, hint_latency_s, (first_moe,))
-    offload = SimOffload(provider, engines[-1], hint_link, hosts[-1] if hosts else None)
+    sim_transfers = provider.transfers
+    assert isinstance(sim_transfers, SimTransferEngine)  # made by transfers() above
+    sim_host = provider.executor if isinstance(provider, HybridExpertProvider) else None
+    assert sim_host is None or isinstance(sim_host, SimHostExecutor)  # made by host() above
+    offload = SimOffload(provider, sim_transfers, hint_link, sim_host)
     if hint_link is not None:
         hint_link.attach(offload)
     return offload

@@ -273,7 +273,8 @@ def _result(
     stats = offload.provider.stats if offload else None
     per_token = max(1, decode.tokens)
     kv_bytes = log.peak_kv_tokens * spec.kv_bytes_per_token * spec.num_layers
-    staging = getattr(offload.provider, "staging", None) if offload else None  # split experts' down matrices
+    hybrid = offload.provider if offload and isinstance(offload.provider, HybridExpertProvider) else None
+    staging = hybrid.staging if hybrid is not None else None  # split experts' down matrices
     staging_bytes = len(staging.buffers) * spec.expert_chunk_bytes[1] if staging is not None else 0
     memory = spec.non_expert_bytes + log.peak_slots * spec.expert_bytes + staging_bytes + kv_bytes
     return SimResult(

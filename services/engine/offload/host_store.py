@@ -49,7 +49,7 @@ class HostExpertStore:
 
     @property
     def expert_bytes(self) -> int:
-        return self.layout.numel * self.dtype.itemsize
+        return self.layout.nbytes
 
     @property
     def total_bytes(self) -> int:

@@ -156,9 +156,7 @@ class OffloadedExpertProvider(ExpertProvider):
 
     def close(self) -> None:
         for prefetcher in self.prefetchers:  # e.g. the hint prefetcher's predictor link thread
-            close = getattr(prefetcher, "close", None)
-            if close is not None:
-                close()
+            prefetcher.close()
         self.transfers.shutdown()
 
     def _place_misses(

@@ -71,6 +71,7 @@ def build_expert_provider(
     """Every routed expert stored in `layout`: resident on the device, or in host memory behind the policy."""
     if not settings.offloads:
         return load_resident_experts(reader, spec, layout)
+    slots = settings.cache_slots(spec, layout.nbytes)  # a budget too small fails before the store is read
     cuda = settings.device.startswith("cuda")
     store = HostExpertStore(reader, spec, pin=cuda, layout=layout)
     # The unquantized expert: an emulated link and host price an expert as R x its compute on the device.
@@ -98,4 +99,4 @@ def build_expert_provider(
         make_host=_host_executor(settings, costs, link) if costs is not None else None, fence=fence,
         router_model=(spec, weights),
     )
-    return assemble_provider(settings, spec, settings.cache_slots(spec, store.expert_bytes), parts)
+    return assemble_provider(settings, spec, slots, parts)

@@ -53,6 +53,10 @@ class QuantizedExpertLayout:
                 self.gate_up_numel = offset
         self.numel = offset
 
+    @property
+    def nbytes(self) -> int:
+        return self.numel  # uint8
+
     def pack(self, w: ExpertWeights, flat: torch.Tensor) -> None:
         """Quantizes a float expert into `flat` (which may live on the host)."""
         for name, matrix in (("gate_up", w.gate_up), ("down", w.down)):

@@ -28,7 +28,7 @@ class SpeculativePrefetcher(Prefetcher):
         self.min_confidence = min_confidence
         # Precision of the guesses, measured against the router once the step has run: turns a guess into
         # the probability the eviction policy weighs it with.
-        self.tracker = GuessTracker(precision=0.8)
+        self.tracker: GuessTracker = GuessTracker(precision=0.8)
         self._targets: dict[int, list[tuple[int, int, bool]]] = {}  # layer -> targets(...), which never change
 
     def guess(self, layer: int, target: int, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
