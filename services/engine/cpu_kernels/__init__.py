@@ -122,6 +122,14 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+def loaded() -> ctypes.CDLL:
+    """The built kernels, for a caller that has checked they are there (usable(), library())."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the native CPU kernels are not built")
+    return lib
+
+
 def describe() -> str:
     """Which kernels run here, for the start-up line and hintserve doctor."""
     lib = library()
@@ -177,7 +185,7 @@ def moe_swiglu(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1
     weights = weights.to(torch.float32).contiguous()
     out = torch.empty(tokens, hidden)
     floats, ints = _scratch.get(_ROWS * (2 * hidden + 3 * intermediate), tokens * top_k)
-    status = library().moe_swiglu_f32(  # type: ignore[union-attr]
+    status = loaded().moe_swiglu_f32(
         x.data_ptr(), experts.data_ptr(), weights.data_ptr(), tokens, top_k, w13.data_ptr(), w2.data_ptr(),
         num_experts, hidden, intermediate, out.data_ptr(), floats.data_ptr(), ints.data_ptr())
     if status != 0:
@@ -198,7 +206,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = q_heads // kv_heads
     out = torch.empty(batch, q_heads, head_dim)
     floats, _ = _scratch.get(group * (block_tables.shape[1] * block_size + head_dim))
-    status = library().paged_decode_attention_f32(  # type: ignore[union-attr]
+    status = loaded().paged_decode_attention_f32(
         q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), slots,
         block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), block_size, batch, q_heads,
         kv_heads, head_dim, scale, out.data_ptr(), floats.data_ptr())
@@ -212,7 +220,7 @@ def linear(x: torch.Tensor, weight_in_out: torch.Tensor, bias: torch.Tensor | No
     rows, (in_features, out_features) = x.shape[0], weight_in_out.shape
     x = x.contiguous()
     out = torch.empty(rows, out_features)
-    library().linear_rows_f32(x.data_ptr(), weight_in_out.data_ptr(),  # type: ignore[union-attr]
+    loaded().linear_rows_f32(x.data_ptr(), weight_in_out.data_ptr(),
                               None if bias is None else bias.data_ptr(), out.data_ptr(), rows, in_features,
                               out_features)
     return out
@@ -232,7 +240,7 @@ def expert_rows(x: torch.Tensor, gate_up: torch.Tensor | None, down: torch.Tenso
     else:  # rows copied as they are: both widths the rows'
         hidden = intermediate = out.shape[1]
     floats, _ = _scratch.get(_NT_ROWS * (max(hidden, intermediate) + 3 * intermediate + hidden))
-    library().expert_rows_f32(  # type: ignore[union-attr]
+    loaded().expert_rows_f32(
         x.data_ptr(), x.stride(0), None if gather is None else gather.data_ptr() + 8 * start, count,
         None if gate_up is None else gate_up.data_ptr(), None if down is None else down.data_ptr(), hidden,
         intermediate, None if scatter is None else scatter.data_ptr() + 8 * start,
@@ -246,7 +254,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     out = torch.empty_like(x)
     total = x if residual is None else torch.empty_like(x)
     add = None if residual is None else residual.contiguous().data_ptr()
-    library().rms_norm_f32(x.data_ptr(), add, weight.data_ptr(), eps,  # type: ignore[union-attr]
+    loaded().rms_norm_f32(x.data_ptr(), add, weight.data_ptr(), eps,
                            total.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1])
     return total, out
 
@@ -258,7 +266,7 @@ def rope_write_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim
     caches at `slots`: apply_rope and write_kv in one pass."""
     positions = positions.to(torch.int64).contiguous()
     slots = slots.to(torch.int64).contiguous()
-    status = library().rope_write_kv_f32(  # type: ignore[union-attr]
+    status = loaded().rope_write_kv_f32(
         qkv.data_ptr(), qkv.shape[0], num_heads, num_kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
         cos.shape[0], positions.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         k_cache.shape[1])

@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from services.engine import cpu_kernels
 from services.engine.quant.groupwise import quantize_int4, quantize_int8
+
+if TYPE_CHECKING:
+    from services.engine.quant.packed import PackedMatrix
 
 FORMAT_IDS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3}
 TILE = 16  # rows.c's TILE: weight rows interleaved per tile (int8, int4)
@@ -124,10 +128,12 @@ def dequantize(m: CpuMatrix) -> torch.Tensor:
         return m.weight.float()
     if m.format == "int8":
         tiles = m.weight.view(-1, k // 4, TILE, 4).transpose(1, 2).reshape(-1, k)[:n]
-        return (tiles.to(torch.int16) - 128).float() * m.scales[:n, None]  # type: ignore[index]
+        assert m.scales is not None  # an integer format has its scales
+        return (tiles.to(torch.int16) - 128).float() * m.scales[:n, None]
     packed = m.weight.view(-1, k // 8, TILE, 4).transpose(1, 2)  # [N/16, 16, K/8, 4]
     q = torch.stack((packed & 15, packed >> 4), dim=3).reshape(-1, k)[:n].float()
-    pair = m.scales.float().permute(0, 3, 1, 2).reshape(-1, 2, k // m.group)[:n]  # type: ignore[union-attr]
+    assert m.scales is not None  # an integer format has its scales
+    pair = m.scales.float().permute(0, 3, 1, 2).reshape(-1, 2, k // m.group)[:n]
     scale, zero = pair[:, 0], pair[:, 1]
     groups = q.view(n, k // m.group, m.group) - 8
     return (groups * scale[..., None] + zero[..., None]).view(n, k)
@@ -149,16 +155,16 @@ def matmul(x: torch.Tensor, m: CpuMatrix, out: torch.Tensor | None = None) -> to
     return out
 
 
-def as_cpu_matrix(w: torch.Tensor | object) -> CpuMatrix | None:
+def as_cpu_matrix(w: torch.Tensor | PackedMatrix) -> CpuMatrix | None:
     """A weight the engine already holds (a dense [N, K] tensor or a CPU-layout PackedMatrix), seen as the
     native kernels' matrix without a copy; None when the kernels cannot read it in place."""
     if isinstance(w, torch.Tensor):
         fmt = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(w.dtype)
         if fmt is None or w.device.type != "cpu" or w.dim() != 2 or not w.is_contiguous():
             return None
-        matrix = CpuMatrix(fmt, tuple(w.shape), w)
-    elif getattr(w, "on_cpu", False):
-        matrix = w.cpu_matrix()  # type: ignore[attr-defined]
+        matrix = CpuMatrix(fmt, (w.shape[0], w.shape[1]), w)
+    elif w.on_cpu:
+        matrix = w.cpu_matrix()
     else:
         return None
     return matrix if native_widths(matrix.format, matrix.shape[1], matrix.group) else None
@@ -177,7 +183,7 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: ctyp
     ids = ids.to(torch.int64).contiguous()
     weights = weights.to(torch.float32).contiguous()
     out = torch.empty(x.shape[0], width)
-    status = cpu_kernels.library().hs_moe(  # type: ignore[union-attr]
+    status = cpu_kernels.loaded().hs_moe(
         gate_up, down, len(gate_up), x.data_ptr(), x.stride(0), x.shape[0], ids.data_ptr(), weights.data_ptr(),
         ids.shape[1], out.data_ptr())
     if status == -1:
