@@ -13,6 +13,7 @@ from services.engine.expert_format import ExpertLayout
 from services.engine.expert_provider import HostCompute, HostResult, LayerPlan
 from services.engine.offload.cost_model import PlacementCosts
 from services.engine.offload.expert_cache import ExpertCache, Slot
+from services.engine.offload.guess_ledger import GuessLedger
 from services.engine.offload.host_store import ExpertStore, Key
 from services.engine.offload.link import EmulatedLink, Landed
 from services.engine.offload.placement import Placement
@@ -60,17 +61,13 @@ class HybridExpertProvider(OffloadedExpertProvider):
         if self.costs is not None and prefetch_depth > 0:
             self.gate = PrefetchGate(self._saving_per_hit(self.costs),
                                      self._copy_cpu_seconds() + self._copy_dram_seconds(self.costs), clock=clock)
-        # What the gate is told: which prefetcher filled each prefetched slot, and which evicted each
-        # recent victim (a miss on one is a hit that prefetcher displaced); None: the hot-set fill.
-        self._asking: int | None = None
-        self._issuer: dict[int, int | None] = {}  # slot index -> id(prefetcher)
+        self.ledger = GuessLedger()  # what the gate is told: who guessed what
         self._fetched_peak = 0  # most misses one layer of this step fetched whole
         # Quiet: the cache has held every expert decode asked for these last steps, so the per-step machinery
         # (prefetch planning and its gate, the hot-set fill and bookkeeping) has nothing to save; it stops until
         # a miss returns (the layer that misses turns it back on).
         self._clean_steps = 0  # decode steps in a row without a miss
         self._step_missed = False
-        self._ghosts: dict[int, dict[int, int]] = {}  # layer -> expert a prefetch evicted -> id(prefetcher)
         self.pinned = set(pinned)
         for key in pinned:
             self._pin_for_good(key)
@@ -78,16 +75,15 @@ class HybridExpertProvider(OffloadedExpertProvider):
     def begin_layer(
         self, layer: int, experts: list[int], ctx: StepContext, tokens: list[int] | None = None
     ) -> LayerPlan:
-        quiet, gate = self.quiet, self.gate
-        owed = self._settle_guesses(gate, layer, experts) if gate is not None and not ctx.is_prefill and not quiet else ()
+        gate = self.gate if not ctx.is_prefill and not self.quiet else None
+        owed = self.ledger.settle(gate, self.cache, layer, experts) if gate is not None else []
         plan = super().begin_layer(layer, experts, ctx, tokens)
         slots = [self.cache.lookup((layer, e)) for e in plan.device]
         if plan.host or plan.split or any(slot is None or slot.loading for slot in slots):
             self._step_missed = True
             self._clean_steps = 0  # a miss: the machinery is back from this layer on
-        for expert, issuer, ready in owed:
-            if gate is not None and expert in plan.device:  # on the device: the guess saved a miss (some, if late)
-                gate.credit(issuer, 1.0 if ready else 0.5)
+        if gate is not None:
+            self.ledger.credit(gate, owed, plan.device)
         return plan
 
     @property
@@ -99,36 +95,12 @@ class HybridExpertProvider(OffloadedExpertProvider):
         if self.quiet and not ctx.is_prefill:
             return
         super().dispatched(layer, ctx)
-        self._asking = None  # the prefetchers asked in super() are done; the hot-set fill is nobody's guess
+        self.ledger.asking = None  # the prefetchers asked in super() are done; the hot-set fill is nobody's guess
         if self._hot_missing and not ctx.is_prefill:
             self._fill_hot_set(layer, ctx)
 
-    def _settle_guesses(self, gate: PrefetchGate, layer: int, experts: list[int]) -> list[tuple[int, int, bool]]:
-        """Debits each miss a prefetch's eviction caused (the victim's layer asked for it again on its next
-        visit: a hit had it stayed) or the prefetches' reserve caused (the whole budget's hot set holds it);
-        returns the guesses this layer uses (expert, prefetcher, landed), credited once placement shows
-        where they run."""
-        ghosts = self._ghosts.pop(layer, {})
-        reserved = self.cache.eviction.reserved
-        owed = []
-        for expert in experts:
-            slot = self.cache.lookup((layer, expert))
-            if slot is None:
-                if expert in ghosts:
-                    gate.credit(ghosts[expert], -1.0)
-                elif (layer, expert) in reserved:
-                    gate.charge_reserve(1.0)
-            elif slot.prefetched:
-                issuer = self._issuer.get(slot.index)
-                if issuer is not None:
-                    owed.append((expert, issuer, slot.ready))
-        return owed
-
     def _prefetch_started(self, slot: Slot, evicted: Slot | None) -> None:
-        self._issuer[slot.index] = self._asking
-        if evicted is not None and evicted.key is not None and self._asking is not None:
-            layer, expert = evicted.key
-            self._ghosts.setdefault(layer, {})[expert] = self._asking
+        self.ledger.started(slot, evicted)
 
     def end_step(self, ctx: StepContext) -> None:
         if not ctx.is_prefill:
@@ -282,7 +254,7 @@ class HybridExpertProvider(OffloadedExpertProvider):
     def _plan(self, prefetcher, layer: int, ctx: StepContext) -> list[PrefetchRequest]:
         if self.gate is None:
             return prefetcher.plan(layer, ctx)
-        self._asking = id(prefetcher)
+        self.ledger.asking = id(prefetcher)
         is_new = lambda r: self.cache.lookup((r.layer, r.expert)) is None and self._likely(r)  # noqa: E731
         return self.gate.plan(prefetcher, layer, ctx, is_new, self._link_room())
 
