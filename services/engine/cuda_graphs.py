@@ -11,11 +11,16 @@ steps, batches or contexts past the largest bucket) runs eagerly.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from services.engine.models.attention import decode_metadata
 from services.engine.models.model import MoECausalLM
 from services.engine.step_context import Phase, StepContext
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -48,7 +53,7 @@ class DecodeGraphs:
         self.tables = torch.zeros(max_seqs, max_blocks, dtype=torch.long, device=device)
         self.scratch_slot = scratch_slot
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pool = None
+        self._pool: _POOL_HANDLE | None = None  # the first (largest) graph's memory, shared by the rest
 
     def capture(self) -> None:
         """Every bucket pair, largest first so the smaller graphs reuse its memory pool."""
