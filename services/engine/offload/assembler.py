@@ -83,8 +83,8 @@ def assemble_provider(
     store = parts.store
     stats = stats_type(geometry.num_layers, slots_total=slots, expert_bytes=store.expert_bytes)
     cache = ExpertCache(slots, store.layout, store.layout.dtype, settings.device, eviction)
-    transfers = parts.make_transfers(stats)
     prefetchers = make_prefetchers(settings, geometry, stats, parts.router_model)
+    transfers = parts.make_transfers(stats)  # last: the engine's starts its worker thread
     if not is_hybrid(policy):
         return OffloadedExpertProvider(store, cache, transfers, prefetchers, policy.rules, stats,
                                        stream_slots=geometry.top_k, fence=parts.fence)
