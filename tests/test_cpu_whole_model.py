@@ -14,9 +14,9 @@ from services.engine.config import EngineConfig
 from services.engine.cpu_threads import compute_line, core_threads
 from services.engine.models.attention import AttentionMetadata
 from services.engine.models.checkpoint import Checkpoint
-from services.engine.models.loader import load_model, load_resident_experts
+from services.engine.models.loader import load_model
 from services.engine.models.native_linear import NativeLinear
-from services.engine.quant.layout import expert_layout
+from services.engine.offload.settings import OffloadSettings
 from services.engine.step_context import Phase, StepContext
 
 native = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler: native kernels not built")
@@ -26,11 +26,8 @@ def _logits(model_dir: str, fmt: str, prompt: torch.Tensor) -> tuple[torch.Tenso
     """The prefill logits of a model whose experts and dense matrices are all in `fmt`."""
     expert = {"fp32": "auto"}.get(fmt, fmt)
 
-    def resident(reader, spec, _weights):
-        return load_resident_experts(reader, spec, expert_layout(spec.hidden_size, spec.moe_intermediate_size,
-                                                                 expert, 64, reader.dtype, "cpu"))
-
-    loaded = load_model(model_dir, dtype=torch.float32, make_provider=resident, weight_dtype=fmt)
+    offload = OffloadSettings.from_config(EngineConfig(model=model_dir, expert_dtype=expert))  # resident
+    loaded = load_model(model_dir, dtype=torch.float32, offload=offload, weight_dtype=fmt)
     model = loaded.model
     n = prompt.shape[0]
     model.allocate_kv_cache(n)

@@ -227,7 +227,7 @@ def test_cost_placement_splits_an_expert_when_both_sides_are_close() -> None:
 
 
 def test_only_dense_experts_split() -> None:
-    from services.engine.offload.host_store import ExpertLayout
+    from services.engine.expert_format import ExpertLayout
     from services.engine.offload.split_experts import layout_split_prices, split_prices
 
     assert layout_split_prices(ExpertLayout(4, 8)) == (2 / 3, 1 / 3, 1 / 3)

@@ -35,37 +35,34 @@ def test_cache_gb_is_decimal_and_resolved_once(demo_model_dir: str, demo_spec) -
     # 5 experts in GB (1e9) but 5.37 in GiB: a GiB reading would give 5 slots here too, 10.5 GB settles it.
     gb = 10.5 * size / GB
     config = EngineConfig(model=demo_model_dir, offload_policy="lru", expert_cache_gb=gb)
-    settings = OffloadSettings.from_config(config, demo_spec, torch.float32)
-    assert settings.slots == 10 and settings.cache_bytes == 10 * size
+    settings = OffloadSettings.from_config(config)
+    assert settings.cache_slots(demo_spec, size) == 10
     assert int(gb * (1 << 30) // size) == 11  # what the binary reading would have given
     # The simulator's sizing for the same budget agrees with the engine's.
     assert slots_for(spec_from_model_dir(demo_model_dir), gb) == 10
 
 
 def test_settings_resolve_policy_defaults_and_overrides(demo_model_dir: str, demo_spec) -> None:
-    base = OffloadSettings.from_config(EngineConfig(model=demo_model_dir, offload_policy="hintserve"),
-                                       demo_spec, torch.float32)
+    base = OffloadSettings.from_config(EngineConfig(model=demo_model_dir, offload_policy="hintserve"))
     assert base.eviction == "hot-set" and base.prefetch_distance == 2 and base.link_ratio == 30.0
-    assert base.slots == round(0.25 * demo_spec.num_moe_layers * demo_spec.num_experts)
+    size = expert_bytes(demo_spec, torch.float32)
+    assert base.cache_slots(demo_spec, size) == round(0.25 * demo_spec.num_moe_layers * demo_spec.num_experts)
     # A hybrid policy runs no embedded predictor (it would share the host's cores, which bound hybrid
     # decode): hints come from a predictor service over Redis, or from one asked for by name.
     assert base.predictor is None
     for extra in ({"redis_url": "redis://127.0.0.1:6379"}, {"predictor": "expert-map"}):
-        hybrid = OffloadSettings.from_config(EngineConfig(model=demo_model_dir, offload_policy="hintserve", **extra),
-                                             demo_spec, torch.float32)
+        hybrid = OffloadSettings.from_config(EngineConfig(model=demo_model_dir, offload_policy="hintserve", **extra))
         assert hybrid.predictor is not None and hybrid.predictor.name == "expert-map"
-    transfer = OffloadSettings.from_config(EngineConfig(model=demo_model_dir, offload_policy="hintserve-transfer"),
-                                           demo_spec, torch.float32)
+    transfer = OffloadSettings.from_config(EngineConfig(model=demo_model_dir, offload_policy="hintserve-transfer"))
     assert transfer.predictor == PredictorSettings("expert-map", "demo-moe")
     config = EngineConfig(model=demo_model_dir, offload_policy="hintserve", eviction="lru", prefetch_distance=3,
                           predictor="none", link_gbps=2.5, expert_cache_experts=100)
-    s = OffloadSettings.from_config(config, demo_spec, torch.float32)
+    s = OffloadSettings.from_config(config)
     assert (s.eviction, s.prefetch_distance, s.predictor) == ("lru", 3, None)
     assert s.link_bytes_per_second == 2.5e9
-    assert s.slots == demo_spec.num_moe_layers * demo_spec.num_experts  # capped at every expert
+    assert s.cache_slots(demo_spec, size) == demo_spec.num_moe_layers * demo_spec.num_experts  # capped at every expert
     # Policies without a hints prefetcher never get a predictor link.
-    lru = OffloadSettings.from_config(EngineConfig(model=demo_model_dir, offload_policy="lru"), demo_spec,
-                                      torch.float32)
+    lru = OffloadSettings.from_config(EngineConfig(model=demo_model_dir, offload_policy="lru"))
     assert lru.predictor is None
 
 

@@ -8,8 +8,15 @@ import time
 import pytest
 import torch
 
-from services.engine.offload.eviction import EVICTION_POLICIES
+from services.engine.offload.eviction.belady import BeladyEviction
 from services.engine.offload.eviction.eam import EAMEviction
+from services.engine.offload.eviction.finemoe import FineMoEEviction
+from services.engine.offload.eviction.layer_lru import LayerLRUEviction
+from services.engine.offload.eviction.lfu import LFUEviction
+from services.engine.offload.eviction.lookahead import LookaheadEviction
+from services.engine.offload.eviction.lru import LRUEviction
+from services.engine.offload.eviction.next_use import NextUseEviction
+from services.engine.offload.eviction.static import StaticEviction
 from services.engine.offload.link import EmulatedLink
 from services.engine.offload.routing_trace import RoutingTrace
 from services.engine.offload.stats import OffloadStats
@@ -27,7 +34,9 @@ class RecordingLink(EmulatedLink):
         self.entered = threading.Event()  # the worker is inside its first copy
         self.labels: dict[int, str] = {}
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, issued_at: float = 0.0) -> None:
+    def copy(
+        self, dst: torch.Tensor, src: torch.Tensor, fence: torch.cuda.Event | None = None, *, issued_at: float = 0.0
+    ) -> None:
         self.entered.set()
         self.go.wait()
         self.order.append(self.labels[src.data_ptr()])
@@ -145,7 +154,7 @@ def _ctx(step: int = 0) -> StepContext:
 def test_per_layer_lru_keeps_each_layers_share() -> None:
     """Mixtral-Offloading: 4 slots over 2 MoE layers, 2 each; a layer at its share evicts its own least recently
     used expert, one under it takes a slot from a layer over its share."""
-    lru = EVICTION_POLICIES["lru"](4, [0, 1])
+    lru = LayerLRUEviction(4, [0, 1])
     for key in [(0, 1), (0, 2), (0, 3), (1, 1)]:  # layer 0 filled the free slots past its share
         lru.on_insert(key)
     lru.on_access((0, 1), _ctx())
@@ -160,19 +169,19 @@ def test_per_layer_lru_keeps_each_layers_share() -> None:
 
 
 def test_lru_lfu_and_finemoe_choices() -> None:
-    lru = EVICTION_POLICIES["lru-global"]()
+    lru = LRUEviction()
     for key in [(0, 1), (0, 2), (0, 3)]:
         lru.on_insert(key)
     lru.on_access((0, 1), _ctx())
     assert lru.victim([(0, 1), (0, 2), (0, 3)], _ctx(), 0) == (0, 2)
 
-    lfu = EVICTION_POLICIES["lfu"]()
+    lfu = LFUEviction()
     for key, n in [((0, 1), 3), ((0, 2), 1), ((0, 3), 2)]:
         for _ in range(n):
             lfu.on_access(key, _ctx())
     assert lfu.victim([(0, 1), (0, 2), (0, 3)], _ctx(), 0) == (0, 2)
 
-    fine = EVICTION_POLICIES["finemoe"]()
+    fine = FineMoEEviction()
     fine.on_layer_routed(0, [0.05, 0.6, 0.3, 0.05], _ctx())
     for key, n in [((0, 1), 1), ((0, 2), 4)]:
         for _ in range(n):
@@ -194,10 +203,10 @@ def test_eam_priority_prefers_initial_layers() -> None:
 
 def test_belady_and_static() -> None:
     trace = RoutingTrace(2, [[[0], [1]], [[2], [1]], [[0], [3]]])
-    belady = EVICTION_POLICIES["belady"](trace)
+    belady = BeladyEviction(trace)
     # At step 0 layer 1: (0, 2) is next used at step 1, (0, 0) at step 2, (1, 3) at step 2 layer 1.
     assert belady.victim([(0, 0), (0, 2), (1, 3)], _ctx(0), 1) == (1, 3)
-    static = EVICTION_POLICIES["static"]({(0, 0)})
+    static = StaticEviction({(0, 0)})
     static.on_insert((0, 0))
     static.on_insert((0, 1))
     assert static.victim([(0, 0), (0, 1)], _ctx(), 0) == (0, 1)
@@ -205,7 +214,7 @@ def test_belady_and_static() -> None:
 
 
 def test_lookahead_evicts_the_layer_needed_last() -> None:
-    policy = EVICTION_POLICIES["lookahead"](4)
+    policy = LookaheadEviction(4)
     policy.on_layer_routed(1, [0.7, 0.3, 0.0, 0.0], _ctx())
     candidates = [(0, 0), (1, 0), (1, 1), (3, 0)]  # layer 2 runs now: pinned, never a candidate
     # At layer 2: layer 1 was just computed, so it comes round last; within it, the less likely expert.
@@ -220,7 +229,7 @@ def _decode_step(request_ids: list[str], routes: dict[int, list[list[int]]], ste
 
 
 def test_next_use_keeps_what_comes_round_soonest_and_is_likely() -> None:
-    policy = EVICTION_POLICIES["next-use"](4, 4)
+    policy = NextUseEviction(4, 4)
     # Request "a" routes layer l to experts l and l+1 (mod 4), three steps in a row.
     routes = {layer: [[layer, (layer + 1) % 4]] for layer in range(4)}
     for step in range(3):
@@ -242,7 +251,7 @@ def test_next_use_keeps_what_comes_round_soonest_and_is_likely() -> None:
 
 
 def test_next_use_and_belady_admit_only_prefetches_worth_their_victim() -> None:
-    policy = EVICTION_POLICIES["next-use"](4, 4)
+    policy = NextUseEviction(4, 4)
     policy.on_step_end(_decode_step(["a"], {0: [[1, 2]], 1: [[0, 1]], 2: [[0, 1]], 3: [[0, 1]]}))
     policy.on_prediction((1, 3), 0.8)  # the next layer will likely want expert 3
     policy.on_prediction((3, 2), 0.3)  # a weak guess three layers ahead
@@ -251,7 +260,7 @@ def test_next_use_and_belady_admit_only_prefetches_worth_their_victim() -> None:
     assert not policy.admit((3, 2), (1, 3), _ctx(), 0)  # never displace a likelier, nearer expert
 
     trace = RoutingTrace(2, [[[0], [1]], [[2], [1]], [[0], [3]]])
-    belady = EVICTION_POLICIES["belady"](trace)
+    belady = BeladyEviction(trace)
     # At step 0 layer 0: (1, 1) is used at step 0 layer 1, (0, 2) at step 1, (1, 3) only at step 2.
     assert belady.admit((0, 2), (1, 3), _ctx(0), 0)
     assert not belady.admit((1, 3), (1, 1), _ctx(0), 0)

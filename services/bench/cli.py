@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from services.engine.expert_format import DEFAULT_GROUP_SIZE, EXPERT_DTYPES, GROUP_SIZES
+
 
 def _engine(args: argparse.Namespace) -> int:
     from services.bench.engine_bench import run_engine_bench
@@ -93,8 +95,8 @@ def _online(args: argparse.Namespace) -> int:
 
 def _expert_dtypes(text: str) -> tuple[str, ...]:
     dtypes = tuple(d for d in text.split(",") if d)
-    if not dtypes or any(d not in ("auto", "bf16", "int8", "int4") for d in dtypes):
-        raise ValueError(f"expert dtypes: comma-separated auto, bf16, int8, int4; got {text!r}")
+    if not dtypes or any(d not in EXPERT_DTYPES for d in dtypes):
+        raise ValueError(f"expert dtypes: comma-separated {', '.join(EXPERT_DTYPES)}; got {text!r}")
     return dtypes
 
 
@@ -104,8 +106,8 @@ def _quant(args: argparse.Namespace) -> int:
     _require_model(args.model)
     dtypes = list(_expert_dtypes(args.expert_dtypes))
     groups = _numbers(args.group_sizes, int)
-    if any(g not in (32, 64, 128) for g in groups):
-        raise ValueError(f"--group-sizes must be among 32, 64, 128; got {args.group_sizes!r}")
+    if any(g not in GROUP_SIZES for g in groups):
+        raise ValueError(f"--group-sizes must be among {', '.join(map(str, GROUP_SIZES))}; got {args.group_sizes!r}")
     if args.prompts < 1 or args.new_tokens < 1 or args.prompt_len < 1:
         raise ValueError("--prompts, --new-tokens and --prompt-len must be >= 1")
     for row in run_quant_bench(args.model, dtypes, groups, args.json, args.prompts, args.new_tokens,
@@ -226,7 +228,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          help="native: the CUDA copy engine (the ratio is then ignored)")
     offload.add_argument("--expert-dtypes", default="auto",
                          help="rows per expert storage, e.g. bf16,int8,int4 (not auto: the cache is sized in bytes)")
-    offload.add_argument("--expert-group-size", type=int, choices=(32, 64, 128), default=64)
+    offload.add_argument("--expert-group-size", type=int, choices=GROUP_SIZES, default=DEFAULT_GROUP_SIZE)
     offload.add_argument("--hot-set-from", default="warmup", choices=("warmup", "measured"),
                          help="prompts whose routing the static hot sets (ktransformers, fiddler) are counted on: "
                               "the warm-up ones (a calibration set, as those systems profile) or the measured "

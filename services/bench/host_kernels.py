@@ -25,6 +25,7 @@ from tqdm import tqdm
 from services.common.report import bar_plot, markdown_table, run_header, write_json, write_markdown
 from services.engine import cpu_kernels
 from services.engine.cpu_threads import use_threads
+from services.engine.expert_format import DEFAULT_GROUP_SIZE
 from services.engine.expert_provider import ExpertWeights
 from services.engine.models.moe import expert_forward
 from services.engine.models.native_linear import NativeLinear
@@ -34,7 +35,7 @@ from services.engine.quant.layout import expert_layout
 from services.engine.quant.packed import PackedMatrix, QuantScheme, pack_matrix
 
 FORMATS = ("fp32", "bf16", "int8", "int4")
-GROUP_SIZE = 64  # int4's default --expert-group-size
+GROUP_SIZE = DEFAULT_GROUP_SIZE  # int4: the engine's default --expert-group-size
 # Qwen3-30B-A3B: hidden 2048, experts of width 768; 32 query and 4 KV heads of 128; the bench model's vocab.
 HIDDEN, EXPERT_WIDTH = 2048, 768
 DENSE = {"q_proj": (32 * 128, HIDDEN), "o_proj": (HIDDEN, 32 * 128), "lm_head": (8000, HIDDEN)}

@@ -18,7 +18,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from services.docs import bench_tables, cli_reference, dashboards, headlines, http_api, knobs
+from services.docs import bench_tables, cli_reference, dashboards, headlines, http_api, knobs, policies
 
 GENERATED_PAGES = ("docs/reference/cli.md", "docs/reference/knobs.md", "docs/reference/http-api.md",
                    "docs/reference/benchmark-results.md")
@@ -46,6 +46,8 @@ def fill_blocks(text: str, root: Path) -> str:
         kind, _, rest = directive.partition(" ")
         if kind == "headline":
             body = headlines.render(results, link_prefix=rest.strip())
+        elif kind == "policies":
+            body = policies.render()
         elif kind == "grafana":
             body = dashboards.render(root / rest.strip())
         elif kind == "calibration":

@@ -13,6 +13,7 @@ from typing import Any
 
 from services.common.metrics_http import MetricsEndpoint, add_metrics_args, check_metrics_port
 from services.engine.config import EngineConfig
+from services.engine.expert_format import DEFAULT_GROUP_SIZE, EXPERT_DTYPES, GROUP_SIZES
 from services.engine.sampling_params import SamplingParams
 
 ENGINE_PORT = 50051  # gRPC's customary port
@@ -88,10 +89,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_default: str | None =
     offload.add_argument("--prefetch-distance", type=int, default=None, help="default: the policy's own")
     offload.add_argument("--eviction", choices=tuple(EVICTION_POLICIES), default=None)
     offload.add_argument("--routing-trace", default=None, help="recorded routing (oracle, belady)")
-    offload.add_argument("--expert-dtype", choices=("auto", "bf16", "int8", "int4"), default=None,
+    offload.add_argument("--expert-dtype", choices=EXPERT_DTYPES, default=None,
                          help="routed experts' storage on the host, the link and the device (auto: run dtype)")
-    offload.add_argument("--expert-group-size", type=int, choices=(32, 64, 128), default=None,
-                         help="int4: inputs per scale and zero (default 64)")
+    offload.add_argument("--expert-group-size", type=int, choices=GROUP_SIZES, default=None,
+                         help=f"int4: inputs per scale and zero (default {DEFAULT_GROUP_SIZE})")
     link = parser.add_argument_group("predictor link (policies with prediction hints)")
     link.add_argument("--redis-url", default=None, help="broker for the predictor service (default: embedded)")
     link.add_argument("--engine-id", default=None, help="this engine's hint channel name (default: generated)")

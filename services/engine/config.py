@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 
 from services.common.broker import check_broker_url
+from services.engine.expert_format import DEFAULT_GROUP_SIZE, check_expert_format
 
 
 @dataclass
@@ -39,7 +41,7 @@ class EngineConfig:
     routing_trace: str | None = None  # recorded routing for the oracle / belady policies
     # Routed experts' storage everywhere they live (services/engine/quant): auto = the run dtype unquantized.
     expert_dtype: str = "auto"  # auto | bf16 | int8 (per output row) | int4 (per group of inputs)
-    expert_group_size: int = 64  # int4: inputs per (scale, zero): 32, 64 or 128
+    expert_group_size: int = DEFAULT_GROUP_SIZE  # int4: inputs per (scale, zero)
     # Non-expert matrices (attention projections, LM head) on the CPU: auto = the run dtype; see native_linear.
     weight_dtype: str = "auto"  # auto | fp32 | bf16 | int8 (per output row) | int4 (per group of inputs)
     weight_group_size: int = 64  # int4 dense matrices: inputs per (scale, zero): 64 or 128
@@ -85,10 +87,7 @@ class EngineConfig:
             raise ValueError(f"host_threads must be at least 1, got {self.host_threads}")
         if self.prefetch_distance is not None and self.prefetch_distance < 1:
             raise ValueError(f"prefetch_distance must be at least 1, got {self.prefetch_distance}")
-        if self.expert_dtype not in ("auto", "bf16", "int8", "int4"):
-            raise ValueError(f"unknown expert dtype {self.expert_dtype!r}: use auto, bf16, int8 or int4")
-        if self.expert_group_size not in (32, 64, 128):
-            raise ValueError(f"expert_group_size must be 32, 64 or 128, got {self.expert_group_size}")
+        check_expert_format(self.expert_dtype, self.expert_group_size)
         if self.weight_dtype not in ("auto", "fp32", "bf16", "int8", "int4"):
             raise ValueError(f"unknown weight dtype {self.weight_dtype!r}: use auto, fp32, bf16, int8 or int4")
         if self.weight_dtype != "auto" and self.device != "cpu":
@@ -109,7 +108,7 @@ class EngineConfig:
     @classmethod
     def from_env(cls, **overrides: object) -> EngineConfig:
         """Fields from HINTSERVE_<FIELD> environment variables, then explicit overrides."""
-        values: dict[str, object] = {}
+        values: dict[str, Any] = {}  # each parsed as its field's type
         for f in fields(cls):
             raw = os.environ.get(f"HINTSERVE_{f.name.upper()}")
             if raw is None or f.name == "extra":
@@ -125,4 +124,4 @@ class EngineConfig:
             else:
                 values[f.name] = raw
         values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)  # type: ignore[arg-type]
+        return cls(**values)

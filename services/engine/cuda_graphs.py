@@ -53,7 +53,7 @@ class DecodeGraphs:
         self.tables = torch.zeros(max_seqs, max_blocks, dtype=torch.long, device=device)
         self.scratch_slot = scratch_slot
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pool: _POOL_HANDLE | None = None
+        self._pool: _POOL_HANDLE | None = None  # the first (largest) graph's memory, shared by the rest
 
     def capture(self) -> None:
         """Every bucket pair, largest first so the smaller graphs reuse its memory pool."""

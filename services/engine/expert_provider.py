@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 import torch
 
@@ -13,6 +13,7 @@ from services.engine.step_context import StepContext
 if TYPE_CHECKING:
     from services.engine.models.fused_moe import StackedExperts
     from services.engine.models.native_moe import NativeExperts
+    from services.engine.quant.packed import QuantizedExpertWeights
 
 
 @dataclass
@@ -25,10 +26,28 @@ class ExpertWeights:
         return self.gate_up.numel() * self.gate_up.element_size() + self.down.numel() * self.down.element_size()
 
 
+# One expert's weights as stored: dense, or packed int8/int4 (services/engine/quant/packed.py).
+StoredWeights: TypeAlias = "ExpertWeights | QuantizedExpertWeights"
+
+
 class HostResult(Protocol):
     """A host computation's output, gathered by the MoE layer (a Future, or the host executor's HostJob)."""
 
     def result(self) -> torch.Tensor: ...
+
+
+class HostCompute(Protocol):
+    """What computes host-placed experts: the engine's HostExecutor, or the simulator's host timeline."""
+
+    def submit(
+        self, weights: StoredWeights, x: torch.Tensor, activation: bool = False, share: float = 1.0
+    ) -> HostResult: ...
+
+    def flush(self) -> None: ...
+
+    def backlog_seconds(self) -> float: ...
+
+    def shutdown(self) -> None: ...
 
 
 @dataclass
@@ -57,7 +76,7 @@ class ExpertProvider(ABC):
         """Places `experts` (`tokens[i]` tokens routed to `experts[i]`; None: one each)."""
 
     @abstractmethod
-    def get(self, layer: int, expert: int) -> ExpertWeights: ...
+    def get(self, layer: int, expert: int) -> StoredWeights: ...
 
     def host_forward(self, layer: int, expert: int, x: torch.Tensor) -> HostResult:
         """Computes a host-placed expert on its tokens `x`; the result lands on x's device."""
@@ -106,7 +125,7 @@ class ResidentExpertProvider(ExpertProvider):
     """Every expert lives on the compute device: no offload (the speed bound)."""
 
     def __init__(
-        self, experts: list[list[ExpertWeights] | None], stacked: list[StackedExperts | None] | None = None,
+        self, experts: list[list[StoredWeights] | None], stacked: list[StackedExperts | None] | None = None,
         native: list[NativeExperts | None] | None = None,
     ) -> None:
         self._experts = experts  # indexed [layer][expert]; None for dense layers
@@ -118,8 +137,10 @@ class ResidentExpertProvider(ExpertProvider):
     ) -> LayerPlan:
         return LayerPlan(experts)
 
-    def get(self, layer: int, expert: int) -> ExpertWeights:
-        return self._experts[layer][expert]  # type: ignore[index]
+    def get(self, layer: int, expert: int) -> StoredWeights:
+        experts = self._experts[layer]
+        assert experts is not None, f"layer {layer} has no routed experts"
+        return experts[expert]
 
     def stacked_experts(self, layer: int) -> StackedExperts | None:
         return self._stacked[layer]

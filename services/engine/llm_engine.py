@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import math
 import os
 import time
-from collections import Counter
+from collections import defaultdict
 
 import torch
 from transformers import AutoTokenizer
@@ -30,8 +29,7 @@ from services.engine.model_runner import ModelRunner
 from services.engine.models.loader import load_model
 from services.engine.models.spec import load_hf_config, spec_from_config
 from services.engine.offload.prefetch.hints import HintPrefetcher
-from services.engine.offload.settings import PredictorSettings
-from services.engine.offload.setup import build_expert_provider
+from services.engine.offload.settings import OffloadSettings
 from services.engine.output_processor import RequestStream, process_token
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
@@ -62,6 +60,7 @@ class LLMEngine:
         """`detokenize=False`: the engine core process, whose frontend turns tokens into text (and stop strings)."""
         config.validate()
         self.config = config
+        self.offload = OffloadSettings.from_config(config)  # every offload knob, resolved and checked once
         self.detokenize = detokenize
         self.tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
         model_positions = spec_from_config(load_hf_config(config.model)).max_position_embeddings
@@ -78,7 +77,7 @@ class LLMEngine:
                 config.dtype,
                 config.device,
                 self.max_model_len,
-                make_provider=functools.partial(build_expert_provider, config),
+                offload=self.offload,
                 weight_dtype=config.weight_dtype,
                 weight_group_size=config.weight_group_size,
             )
@@ -107,7 +106,7 @@ class LLMEngine:
         )
         self.input_processor = InputProcessor(self.tokenizer, self.limits)
         self._streams: dict[str, tuple[Sequence, RequestStream | None]] = {}
-        self.counters: Counter[str] = Counter()
+        self.counters: defaultdict[str, float] = defaultdict(float)  # counts and seconds, exported as floats
 
     def _capture_graphs(self) -> None:
         """CUDA graphs for every decode bucket; a capture that fails leaves decode eager, with a warning."""
@@ -120,7 +119,7 @@ class LLMEngine:
     def _start_predictor_link(self, experts: object) -> None:
         """A hint policy's prefetcher gets its predictor link, which watches the runner's steps."""
         hints = [p for p in getattr(experts, "prefetchers", ()) if isinstance(p, HintPrefetcher)]
-        predictor = PredictorSettings.from_config(self.config)
+        predictor = self.offload.predictor
         if hints and predictor is not None:
             from services.engine.predictor_link import start_predictor_link  # redis, grpc: only when used
 

@@ -92,7 +92,7 @@ class ModelRunner:
             observe(ctx)
         return self.model.compute_logits(hidden)
 
-    def _tensor(self, values: list[int]) -> torch.Tensor:
+    def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def _prepare_prefill(self, seqs: list[Sequence]):

@@ -6,6 +6,8 @@ import argparse
 import datetime as dt
 import os
 
+from services.engine.expert_format import DEFAULT_GROUP_SIZE, EXPERT_DTYPES, GROUP_SIZES
+
 
 def _budgets(text: str) -> list[float] | None:
     if text == "auto":
@@ -183,9 +185,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--hint-latency-ms", type=float, default=2.0, help="context out -> predictor hints in")
     p.add_argument("--eviction", help="override every policy's eviction (as the engine's --eviction)")
     p.add_argument("--link-gbps", type=float, help="override the profile's host-to-device bandwidth")
-    p.add_argument("--expert-dtype", choices=("auto", "bf16", "int8", "int4"), default="auto",
+    p.add_argument("--expert-dtype", choices=EXPERT_DTYPES, default="auto",
                    help="experts stored as the engine's --expert-dtype (auto: the spec's own precision)")
-    p.add_argument("--expert-group-size", type=int, choices=(32, 64, 128), default=64)
+    p.add_argument("--expert-group-size", type=int, choices=GROUP_SIZES, default=DEFAULT_GROUP_SIZE)
     p.add_argument(
         "--warmup-steps", type=int, default=0, help="steps left out of the figures (cache warm-up)"
     )

@@ -41,8 +41,13 @@ class Agreement:
         return self.sim_tpot_ms / self.engine_tpot_ms - 1.0
 
 
-def _engine(model_dir: str, batch: int, **offload: object) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=model_dir, max_num_seqs=batch, **offload))  # type: ignore[arg-type]
+def _engine(
+    model_dir: str, batch: int, offload_policy: str = "resident", expert_cache_experts: int | None = None,
+    link_gbps: float | None = None, routing_trace: str | None = None,
+) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=model_dir, max_num_seqs=batch, offload_policy=offload_policy,
+                                  expert_cache_experts=expert_cache_experts, link_gbps=link_gbps,
+                                  routing_trace=routing_trace))
 
 
 # Blocking fetches, early demand overlapping resident compute, perfect prefetch, and the skip-gate

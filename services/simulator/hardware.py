@@ -71,8 +71,13 @@ class StepShape:
 class CostModel(Protocol):
     """Seconds of compute for each piece of a step (the compute timeline's prices)."""
 
-    link_bytes_per_second: float
-    device_memory_bytes_per_second: float  # what the device's kernels and landing copies share (inf: not shared)
+    @property
+    def link_bytes_per_second(self) -> float: ...
+
+    @property
+    def device_memory_bytes_per_second(self) -> float:
+        """What the device's kernels and landing copies share (inf: not shared)."""
+        ...
 
     def layer_seconds(self, layer: int, step: StepShape) -> float:
         """Everything of `layer` but its routed experts: attention, router, shared expert or dense MLP."""

@@ -13,11 +13,22 @@ from dataclasses import replace
 
 import torch
 
+from services.engine.expert_provider import HostResult
 from services.engine.offload.cost_model import PROBE_TOKENS, PlacementCosts
 from services.engine.offload.memory_bus import HOST_LANE, BusJob
 from services.engine.offload.stats import OffloadStats
 from services.simulator.hardware import CostModel
 from services.simulator.timeline import SimClock, SimTransferEngine
+
+
+class SimHostJob:
+    """A host job on the simulated DRAM: its time is all there is (the MoE layer never reads an output)."""
+
+    def __init__(self, job: BusJob) -> None:
+        self.job = job
+
+    def result(self) -> torch.Tensor:
+        return torch.empty(0)
 
 
 class SimHostExecutor:
@@ -32,7 +43,7 @@ class SimHostExecutor:
         self.expert_bytes = expert_bytes
         self.blocked = 0.0  # compute stalled gathering host results
 
-    def submit(self, weights: object, x: torch.Tensor, activation: bool = False, share: float = 1.0) -> BusJob:
+    def submit(self, weights: object, x: torch.Tensor, activation: bool = False, share: float = 1.0) -> SimHostJob:
         tokens = x.shape[0]
         seconds = share * self.cost.host_expert_seconds(tokens)
         self.stats.host_split_experts += activation
@@ -42,7 +53,7 @@ class SimHostExecutor:
         self.stats.host_experts += 1
         self.stats.host_tokens += tokens
         self.stats.host_busy_seconds += seconds
-        return job
+        return SimHostJob(job)
 
     def flush(self) -> None:
         """The layer's jobs started as they were submitted (the hand-off's cost: HOST_PATH_S, priced per layer)."""
@@ -51,9 +62,12 @@ class SimHostExecutor:
         last = self.bus.last(HOST_LANE)
         return 0.0 if last is None else max(0.0, self.bus.finish(last) - self.clock.now)
 
-    def gather(self, job: BusJob) -> None:
-        """Compute stalls until `job` is done. Nothing is submitted meanwhile, so the copy engine runs ahead to
-        the projected finish; each chunk it starts before then slows the job, and the finish is projected again."""
+    def gather(self, result: HostResult) -> None:
+        """Compute stalls until `result`'s job is done. Nothing is submitted meanwhile, so the copy engine runs
+        ahead to the projected finish; each chunk it starts before then slows the job, and the finish is
+        projected again."""
+        assert isinstance(result, SimHostJob)  # one of ours: the provider's host jobs all come from submit
+        job = result.job
         done = self.bus.finish(job)
         while done > self.clock.now:
             self.transfers.advance(done)
@@ -72,10 +86,9 @@ class SimHostExecutor:
 
 def placement_costs(cost: CostModel, expert_bytes: int) -> PlacementCosts:
     """The prices the engine measures at start-up, read off the simulator's cost model."""
-    ends = (1, PROBE_TOKENS)
     costs = PlacementCosts.fit(
-        tuple(cost.expert_seconds(n) for n in ends),  # type: ignore[arg-type]
-        tuple(cost.host_expert_seconds(n) for n in ends),  # type: ignore[arg-type]
+        (cost.expert_seconds(1), cost.expert_seconds(PROBE_TOKENS)),
+        (cost.host_expert_seconds(1), cost.host_expert_seconds(PROBE_TOKENS)),
         expert_bytes / cost.link_bytes_per_second,
     )
     return replace(costs, dram=cost.dram_bytes_per_second(expert_bytes), host_bytes=expert_bytes, link_bytes=expert_bytes)

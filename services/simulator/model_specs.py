@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from services.engine.expert_format import bits_per_parameter
 from services.engine.models.geometry import expert_params
 
 
@@ -30,16 +31,9 @@ MXFP4 = Precision("MXFP4", 4.0 + 8 / 32)
 
 
 def engine_expert_precision(expert_dtype: str, group_size: int, hidden: int, intermediate: int) -> Precision:
-    """The bits per expert parameter of our engine's `--expert-dtype` (services/engine/quant): int4 carries a
-    bf16 scale and zero per group of inputs, int8 one bf16 scale per output row."""
-    if expert_dtype == "bf16":
-        return Precision("bf16", 16.0)
-    if expert_dtype == "int4":
-        return Precision(f"int4 g{group_size}", 4.0 + 32 / group_size)
-    if expert_dtype == "int8":
-        rows, params = 2 * intermediate + hidden, 3 * hidden * intermediate
-        return Precision("int8 per row", 8.0 + 16 * rows / params)
-    raise ValueError(f"unknown expert dtype {expert_dtype!r}: use bf16, int8 or int4 (or auto: the spec's own)")
+    """The bits per expert parameter of our engine's `--expert-dtype` (services/engine/expert_format.py)."""
+    name = {"bf16": "bf16", "int4": f"int4 g{group_size}", "int8": "int8 per row"}.get(expert_dtype, expert_dtype)
+    return Precision(name, bits_per_parameter(expert_dtype, group_size, hidden, intermediate))
 
 
 def gqa_attention(
@@ -208,16 +202,11 @@ def _mixtral(
     )
 
 
-_DEEPSEEK = dict(
-    hidden_size=2048,
-    num_experts=64,
-    top_k=6,
-    moe_intermediate_size=1408,
-    vocab_size=102400,
-    dense_layers=(0,),
-    dense_intermediate_size=10944,
-    shared_intermediate_size=2 * 1408,
-)
+def _deepseek(name: str, description: str, num_layers: int, attention: tuple[int, int]) -> MoEModelSpec:
+    """DeepSeek's small MoE family: layer 0 dense, 64 experts top-6 + 2 shared."""
+    return MoEModelSpec(name, description, num_layers=num_layers, attention=attention, hidden_size=2048,
+                        num_experts=64, top_k=6, moe_intermediate_size=1408, vocab_size=102400, dense_layers=(0,),
+                        dense_intermediate_size=10944, shared_intermediate_size=2 * 1408)
 
 # fmt: off
 MODEL_SPECS: dict[str, MoEModelSpec] = {s.name: s for s in (
@@ -230,10 +219,10 @@ MODEL_SPECS: dict[str, MoEModelSpec] = {s.name: s for s in (
                  hidden_size=2048, num_layers=24, num_experts=60, top_k=4, moe_intermediate_size=1408,
                  vocab_size=151936, attention=gqa_attention(2048, 16, 16, 128, qkv_bias=True),
                  shared_intermediate_size=5632),
-    MoEModelSpec("deepseek-v2-lite", "DeepSeek-V2-Lite, fp16: MLA, layer 0 dense, 64 experts top-6 + 2 shared",
-                 num_layers=27, attention=mla_attention(2048, 16, 512, 128, 64, 128), **_DEEPSEEK),
-    MoEModelSpec("deepseek-moe-16b", "DeepSeek-MoE-16B (ProMoE's DS-1), fp16: layer 0 dense, 64 experts top-6 + 2 "
-                 "shared", num_layers=28, attention=gqa_attention(2048, 16, 16, 128), **_DEEPSEEK),
+    _deepseek("deepseek-v2-lite", "DeepSeek-V2-Lite, fp16: MLA, layer 0 dense, 64 experts top-6 + 2 shared",
+              27, mla_attention(2048, 16, 512, 128, 64, 128)),
+    _deepseek("deepseek-moe-16b", "DeepSeek-MoE-16B (ProMoE's DS-1), fp16: layer 0 dense, 64 experts top-6 + 2 "
+              "shared", 28, gqa_attention(2048, 16, 16, 128)),
     MoEModelSpec("qwen3-30b-a3b", "Qwen3-30B-A3B, fp16: 128 experts top-8", hidden_size=2048, num_layers=48,
                  num_experts=128, top_k=8, moe_intermediate_size=768, vocab_size=151936,
                  attention=gqa_attention(2048, 32, 4, 128)),

@@ -1,9 +1,9 @@
-"""An offload policy's engine objects, built for the simulator by the engine's own constructors.
+"""An offload policy's engine objects, built for the simulator by the engine's own assembler.
 
-make_eviction / make_prefetchers (services/engine/offload/setup.py) from OffloadSettings, ExpertCache and
-OffloadedExpertProvider are the engine's; only the store, the link and the transfer engine's clock are
-simulated. A policy that needs something the trace does not hold is reported as not simulable, with the
-reason, instead of being approximated.
+offload/assembler.py builds the eviction policy, the prefetchers, the cache and the provider from
+OffloadSettings, as it does for the engine; only the store, the link, the transfer engine's clock and the
+host are simulated (the parts given here). A policy that needs something the trace does not hold is reported
+as not simulable, with the reason, instead of being approximated.
 """
 
 from __future__ import annotations
@@ -11,31 +11,27 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
 from services.common.messages import Shape
-from services.engine.offload.expert_cache import ExpertCache
-from services.engine.offload.host_store import ExpertLayout
+from services.engine.expert_format import ExpertLayout
+from services.engine.expert_provider import StoredWeights
+from services.engine.offload.assembler import OffloadParts, assemble_provider
+from services.engine.offload.host_store import Key
 from services.engine.offload.hybrid_provider import HybridExpertProvider
-from services.engine.offload.hybrid_setup import (
-    hybrid_slots,
-    is_hybrid,
-    make_placement,
-    pinned_experts,
-    planned_split,
-)
+from services.engine.offload.hybrid_setup import is_hybrid
 from services.engine.offload.memory_bus import MemoryBus
 from services.engine.offload.policies import OffloadPolicy
-from services.engine.offload.prefetch.hints import HintPrefetcher, HintStats
+from services.engine.offload.prefetch.hints import HintPrefetcher
 from services.engine.offload.provider import OffloadedExpertProvider
-from services.engine.offload.routing_trace import RoutingTrace
+from services.engine.offload.routing_trace import TraceFile
 from services.engine.offload.settings import OffloadSettings
-from services.engine.offload.setup import make_eviction, make_prefetchers
-from services.engine.offload.split_experts import split_prices, staging_buffers
+from services.engine.offload.split_experts import split_prices
 from services.engine.offload.stats import OffloadStats
+from services.engine.offload.transfer_engine import TransferEngine
 from services.engine.step_context import StepContext
 from services.simulator.hardware import CostModel
 from services.simulator.hint_link import SimPredictorLink
@@ -48,27 +44,35 @@ from services.simulator.workload import Workload
 PLACEHOLDER_LAYOUT = ExpertLayout(1, 1)
 
 
-class _PlaceholderBuffers:
+PLACEHOLDER_WEIGHTS = PLACEHOLDER_LAYOUT.views(torch.zeros(PLACEHOLDER_LAYOUT.numel))
+
+
+class _PlaceholderBuffers(Mapping[Key, torch.Tensor]):
+    """Every expert's host buffer is the one placeholder (nothing is iterated: no expert is copied for real)."""
+
     def __init__(self) -> None:
         self.flat = torch.zeros(PLACEHOLDER_LAYOUT.numel)
 
-    def __getitem__(self, key: tuple[int, int]) -> torch.Tensor:
+    def __getitem__(self, key: Key) -> torch.Tensor:
         return self.flat
+
+    def __iter__(self) -> Iterator[Key]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
 
 
 @dataclass
 class SimStore:
-    """Stands in for HostExpertStore: the provider reads its layout, buffers and expert size."""
+    """Stands in for HostExpertStore (an ExpertStore): the provider reads its layout, buffers and expert size."""
 
     expert_bytes: int
     layout: ExpertLayout = PLACEHOLDER_LAYOUT
-    buffers: _PlaceholderBuffers = None  # type: ignore[assignment]
+    buffers: _PlaceholderBuffers = field(default_factory=_PlaceholderBuffers)
 
-    def __post_init__(self) -> None:
-        self.buffers = _PlaceholderBuffers()
-
-    def weights(self, key: tuple[int, int]) -> None:
-        return None  # the simulated host executor prices a job by its tokens only
+    def weights(self, key: Key) -> StoredWeights:
+        return PLACEHOLDER_WEIGHTS  # the simulated host executor prices a job by its tokens only
 
 
 @dataclass
@@ -131,60 +135,48 @@ def build_offload(
     eviction: str | None = None,
     cost: CostModel | None = None,
 ) -> SimOffload:
+    """The engine's assembler (offload/assembler.py) on the simulator's parts: its store, link and host."""
     spec = workload.spec
     # The predictor link is ours (SimPredictorLink), so the engine's is off: no predictor settings.
     settings = OffloadSettings(
         policy=policy,
-        slots=slots,
-        expert_bytes=spec.expert_bytes,
         eviction=eviction or policy.eviction,
         prefetch_distance=prefetch_distance or policy.prefetch_distance,
-        routing_trace=trace_path,
+        routing_trace=TraceFile(trace_path),
+        max_tokens=workload.batch,
     )
-    router_spec, weights = (
-        _router_model(workload.trace.model) if "speculative" in policy.prefetchers else (spec, None)
-    )
-    pinned = pinned_experts(policy, spec, slots, RoutingTrace.load(trace_path) if policy.needs_trace else None)
-    split = split_prices(spec.expert_chunk_bytes, dense=spec.expert_precision.bits >= 16)
-    prices = None
-    if is_hybrid(policy) and cost is not None:
-        prices = placement_costs(cost, spec.expert_bytes)
-        split = planned_split(policy, split, prices, workload.batch, spec)  # as the engine plans it
-    staging = staging_buffers(spec.top_k, split)
-    if is_hybrid(policy):
-        budget = 0 if policy.pinned == "nothing" else slots
-        settings = replace(settings, slots=hybrid_slots(policy, budget, pinned, split, staging))
-        slots = settings.slots
-    stats_type = HintStats if "hints" in policy.prefetchers else OffloadStats
-    stats = stats_type(spec.num_layers, slots_total=slots, expert_bytes=spec.expert_bytes)
-    evict = make_eviction(settings, spec)  # MoEModelSpec is an ExpertGeometry
-    prefetchers = make_prefetchers(settings, router_spec, weights, stats)  # type: ignore[arg-type]
     # One DRAM: the link's copies and the host's expert math read it together (offload/memory_bus.py).
     dram = MemoryBus(cost.dram_bytes_per_second(spec.expert_bytes) if cost is not None else math.inf)
-    transfers = SimTransferEngine(SimLink(link_bytes_per_second), stats, clock, spec.expert_chunk_bytes, dram)
-    expert_cache = ExpertCache(settings.slots, PLACEHOLDER_LAYOUT, torch.float32, "cpu", evict)
-    store = SimStore(spec.expert_bytes)  # duck-types HostExpertStore
-    parts = (store, expert_cache, transfers, prefetchers, policy.rules, stats)
-    host = None
-    if not is_hybrid(policy):
-        provider = OffloadedExpertProvider(*parts, stream_slots=spec.top_k)  # type: ignore[arg-type]
-    else:
-        assert cost is not None, "hybrid policies price the host: pass the cost model"
-        host = SimHostExecutor(cost, clock, stats, transfers, spec.expert_bytes)
-        provider = HybridExpertProvider(
-            *parts, stream_slots=spec.top_k, executor=host, pinned=pinned, prefetch_floor=policy.prefetch_floor,
-            prefetch_depth=policy.prefetch_depth, split_staging=staging,
-            placement=make_placement(policy, prices, split),
-            clock=lambda: clock.now,  # planning is not priced: the gate sees it free, run after run alike
-        )
+
+    def transfers(stats: OffloadStats) -> SimTransferEngine:
+        return SimTransferEngine(SimLink(link_bytes_per_second), stats, clock, spec.expert_chunk_bytes, dram)
+
+    def host(stats: OffloadStats, link: TransferEngine) -> SimHostExecutor:
+        assert cost is not None and isinstance(link, SimTransferEngine)  # made above, priced by `cost`
+        return SimHostExecutor(cost, clock, stats, link, spec.expert_bytes)
+
+    hybrid = is_hybrid(policy) and cost is not None
+    parts = OffloadParts(
+        SimStore(spec.expert_bytes), transfers,
+        split=split_prices(spec.expert_chunk_bytes, dense=spec.expert_precision.bits >= 16),
+        costs=placement_costs(cost, spec.expert_bytes) if hybrid and cost is not None else None,
+        make_host=host if hybrid else None,
+        clock=lambda: clock.now,  # planning is not priced: the gate sees it free, run after run alike
+        router_model=_router_model(workload.trace.model) if "speculative" in policy.prefetchers else None,
+    )
+    provider = assemble_provider(settings, spec, slots, parts)
     hint_link = None
-    hints = [p for p in prefetchers if isinstance(p, HintPrefetcher)]
+    hints = [p for p in provider.prefetchers if isinstance(p, HintPrefetcher)]
     if hints and policy.predictor:
         embedding = workload.trace.requests[0].iterations[0].embedding.size if workload.trace.requests else 0
         shape = Shape(spec.name, spec.num_layers, spec.num_experts, spec.top_k, int(embedding))
         first_moe = spec.moe_layers.index(True)
         hint_link = SimPredictorLink(hints[0], policy.predictor, shape, clock, hint_latency_s, (first_moe,))
-    offload = SimOffload(provider, transfers, hint_link, host)
+    sim_transfers = provider.transfers
+    assert isinstance(sim_transfers, SimTransferEngine)  # made by transfers() above
+    sim_host = provider.executor if isinstance(provider, HybridExpertProvider) else None
+    assert sim_host is None or isinstance(sim_host, SimHostExecutor)  # made by host() above
+    offload = SimOffload(provider, sim_transfers, hint_link, sim_host)
     if hint_link is not None:
         hint_link.attach(offload)
     return offload

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import functools
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from services.engine.expert_provider import HostResult
+from services.engine.offload.hybrid_provider import HybridExpertProvider
 from services.engine.offload.memory_bus import contended_seconds
 from services.engine.offload.policies import OffloadPolicy
+from services.engine.offload.provider import OffloadedExpertProvider
 from services.engine.step_context import Phase
 from services.simulator.bound import Bound
 from services.simulator.hardware import CostModel
@@ -210,8 +214,9 @@ def _run_step(
         if provider is None:
             clock.now += sum(cost.expert_seconds(n) for n in tokens_of.values())
             continue
-        if offload.hint_link is not None:  # type: ignore[union-attr]
-            offload.hint_link.deliver()  # type: ignore[union-attr]
+        assert offload is not None  # it has the provider
+        if offload.hint_link is not None:
+            offload.hint_link.deliver()
         plan = provider.begin_layer(layer, list(tokens_of), ctx, list(tokens_of.values()))
         halves = [(e, provider.host_activation(layer, e, token_slice(tokens_of[e]))) for e in plan.split]
         on_host = [provider.host_forward(layer, e, token_slice(tokens_of[e])) for e in plan.host]
@@ -220,21 +225,35 @@ def _run_step(
             log.peak_slots = max(log.peak_slots, provider.cache.num_occupied)
             provider.get(layer, expert)  # stalls the clock until the expert has landed
             clock.now += device(cost.expert_seconds(tokens_of[expert]))
-        for expert, job in halves:  # the device applies down once both the activation and down are there
-            offload.host.gather(job)  # type: ignore[union-attr]
-            provider.get_down(layer, expert)
-            clock.now += device(provider.split_prices.device * cost.expert_seconds(tokens_of[expert]))  # type: ignore
-        for job in on_host:
-            offload.host.gather(job)  # type: ignore[union-attr]  # stalls until the host has finished it
         if on_host or halves:
+            _gather_host(offload, provider, layer, halves, on_host, tokens_of, clock, cost, device)
             clock.now += HOST_PATH_S  # handing the jobs over, gathering and merging them
         log.peak_slots = max(log.peak_slots, provider.cache.num_occupied)
         provider.end_layer(layer, ctx)
     if provider is not None:
         provider.end_step(ctx)
-        for observe in offload.step_observers:  # type: ignore[union-attr]
+        assert offload is not None  # it has the provider
+        for observe in offload.step_observers:
             observe(ctx)
     clock.now += cost.head_seconds(shape)
+
+
+def _gather_host(
+    offload: SimOffload, provider: OffloadedExpertProvider, layer: int, halves: list[tuple[int, HostResult]],
+    on_host: list[HostResult], tokens_of: dict[int, int], clock: SimClock, cost: CostModel,
+    device: Callable[[float], float],
+) -> None:
+    """The compute side gathers the layer's host jobs; a split expert's down runs on the device once both its
+    activation and its down matrix are there."""
+    host = offload.host
+    assert host is not None and isinstance(provider, HybridExpertProvider)  # only hybrid policies use the host
+    for expert, job in halves:
+        host.gather(job)
+        provider.get_down(layer, expert)
+        assert provider.split_prices is not None  # it split this expert
+        clock.now += device(provider.split_prices.device * cost.expert_seconds(tokens_of[expert]))
+    for job in on_host:
+        host.gather(job)  # stalls until the host has finished it
 
 
 def _device_seconds(cost: CostModel, offload: SimOffload | None, decode: bool, seconds: float) -> float:
@@ -242,7 +261,7 @@ def _device_seconds(cost: CostModel, offload: SimOffload | None, decode: bool, s
     landing meanwhile (offload/memory_bus.py)."""
     if offload is None or not decode or not offload.transfers.busy():
         return seconds
-    landing = offload.transfers.link.bytes_per_second  # type: ignore[attr-defined]
+    landing = offload.transfers.sim_link.bytes_per_second
     return contended_seconds(seconds, cost.device_memory_bytes_per_second, [landing])
 
 
@@ -254,7 +273,8 @@ def _result(
     stats = offload.provider.stats if offload else None
     per_token = max(1, decode.tokens)
     kv_bytes = log.peak_kv_tokens * spec.kv_bytes_per_token * spec.num_layers
-    staging = getattr(offload.provider, "staging", None) if offload else None  # split experts' down matrices
+    hybrid = offload.provider if offload and isinstance(offload.provider, HybridExpertProvider) else None
+    staging = hybrid.staging if hybrid is not None else None  # split experts' down matrices
     staging_bytes = len(staging.buffers) * spec.expert_chunk_bytes[1] if staging is not None else 0
     memory = spec.non_expert_bytes + log.peak_slots * spec.expert_bytes + staging_bytes + kv_bytes
     return SimResult(

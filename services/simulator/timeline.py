@@ -55,7 +55,9 @@ class SimLink(Link):
         self.bytes_per_second = bytes_per_second
         self.engine: SimTransferEngine | None = None
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, issued_at: float = 0.0) -> None:
+    def copy(
+        self, dst: torch.Tensor, src: torch.Tensor, fence: torch.cuda.Event | None = None, *, issued_at: float = 0.0
+    ) -> None:
         pass
 
     def new_event(self) -> ReadyEvent:
@@ -73,6 +75,7 @@ class SimTransferEngine(TransferEngine):
         super().__init__(link, stats)
         TransferEngine.shutdown(self)  # no worker thread: chunks move on the simulated copy-engine timeline
         self.clock = clock
+        self.sim_link = link  # the base class's `link`, with its simulated rate
         self.chunk_bytes = chunk_bytes
         self.bus = bus
         self.busy_seconds = 0.0
@@ -140,11 +143,12 @@ class SimTransferEngine(TransferEngine):
     def _start(self, transfer: Transfer) -> None:
         nbytes = self.chunk_bytes[transfer.chunk_offset + transfer.next_chunk]
         transfer.state = TransferState.ACTIVE
-        rate = self.link.bytes_per_second  # type: ignore[attr-defined]
+        rate = self.sim_link.bytes_per_second
         self._active = (transfer, self.bus.add(LINK_LANE, nbytes, rate, self._free_at), transfer.demand, nbytes)
 
     def _finish(self) -> None:
-        transfer, chunk, demand, nbytes = self._active  # type: ignore[misc]
+        assert self._active is not None  # called while a chunk is on the link
+        transfer, chunk, demand, nbytes = self._active
         self._active = None
         end = self.bus.finish(chunk)
         self.busy_seconds += end - chunk.ready_at
@@ -156,4 +160,6 @@ class SimTransferEngine(TransferEngine):
         if transfer.chunk_copied(nbytes, end):
             self._push(transfer)  # a demand that arrived meanwhile goes first
         else:
-            transfer.event.done_at = end  # type: ignore[attr-defined]
+            event = transfer.event
+            assert isinstance(event, SimEvent)  # new_event's: every transfer here is simulated
+            event.done_at = end

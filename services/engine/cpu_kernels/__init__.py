@@ -123,9 +123,10 @@ def library() -> ctypes.CDLL | None:
 
 
 def loaded() -> ctypes.CDLL:
-    """library(), for the callers that run only once it has loaded (they check `library() is not None` first)."""
+    """The built kernels, for a caller that has checked they are there (usable(), library())."""
     lib = library()
-    assert lib is not None, "the native CPU kernels are not loaded"
+    if lib is None:
+        raise RuntimeError("the native CPU kernels are not built")
     return lib
 
 

@@ -19,12 +19,16 @@ from __future__ import annotations
 import ctypes
 import functools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from services.engine import cpu_kernels
 from services.engine.quant.groupwise import quantize_int4, quantize_int8
+
+if TYPE_CHECKING:
+    from services.engine.quant.packed import PackedMatrix
 
 FORMAT_IDS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3}
 TILE = 16  # rows.c's TILE: weight rows interleaved per tile (int8, int4)
@@ -151,7 +155,7 @@ def matmul(x: torch.Tensor, m: CpuMatrix, out: torch.Tensor | None = None) -> to
     return out
 
 
-def as_cpu_matrix(w: torch.Tensor | object) -> CpuMatrix | None:
+def as_cpu_matrix(w: torch.Tensor | PackedMatrix) -> CpuMatrix | None:
     """A weight the engine already holds (a dense [N, K] tensor or a CPU-layout PackedMatrix), seen as the
     native kernels' matrix without a copy; None when the kernels cannot read it in place."""
     if isinstance(w, torch.Tensor):
@@ -159,8 +163,8 @@ def as_cpu_matrix(w: torch.Tensor | object) -> CpuMatrix | None:
         if fmt is None or w.device.type != "cpu" or w.dim() != 2 or not w.is_contiguous():
             return None
         matrix = CpuMatrix(fmt, (w.shape[0], w.shape[1]), w)
-    elif getattr(w, "on_cpu", False):
-        matrix = w.cpu_matrix()  # type: ignore[attr-defined]  # a packed quantized matrix (quant/, above us)
+    elif w.on_cpu:
+        matrix = w.cpu_matrix()
     else:
         return None
     return matrix if native_widths(matrix.format, matrix.shape[1], matrix.group) else None

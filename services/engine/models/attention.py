@@ -156,11 +156,13 @@ def decode_attention(
     gathered copy of the context: on CPU several times faster than SDPA's kernel for a single query row.
     """
     kv_heads, _, head_dim = k_cache.shape
+    block_tables = meta.block_tables
+    assert block_tables is not None  # decode metadata (decode_metadata) always has them
     if (meta.context_lens is not None and cpu_kernels.widths_supported(head_dim)
             and cpu_kernels.usable(q)):
-        return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+        return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, meta.context_lens,
                                                   meta.block_size, scale)
-    tables = meta.block_tables.flatten()  # type: ignore[union-attr]
+    tables = block_tables.flatten()
     batch = q.shape[0]
     group = q.shape[1] // kv_heads
     width = meta.block_size * head_dim
@@ -169,7 +171,8 @@ def decode_attention(
     if meta.decode_bias is None:
         length = keys.shape[1]
         bias = torch.zeros(batch, length, dtype=q.dtype, device=q.device)
-        bias.masked_fill_(~meta.context_mask.view(batch, length), float("-inf"))  # type: ignore[union-attr]
+        assert meta.context_mask is not None  # made with the block tables, for the gathered path
+        bias.masked_fill_(~meta.context_mask.view(batch, length), float("-inf"))
         meta.decode_bias = bias.repeat(kv_heads, 1)[:, None, :]
     queries = q.view(batch, kv_heads, group, head_dim).transpose(0, 1).reshape(kv_heads * batch, group, head_dim)
     scores = torch.baddbmm(meta.decode_bias, queries, keys.transpose(1, 2), alpha=scale)

@@ -67,7 +67,7 @@ class Checkpoint:
         out = torch.empty(end - begin, dtype=torch.uint8)
         with open(os.path.join(self.model_dir, shard), "rb", buffering=0) as f:
             f.seek(data_start + begin)
-            if f.readinto(memoryview(out.numpy())) != end - begin:
+            if f.readinto(out.numpy().data) != end - begin:
                 raise ValueError(f"{shard} is truncated: tensor {name!r} runs past its end")
         return out.view(dtype).view(entry["shape"])
 

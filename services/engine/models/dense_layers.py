@@ -31,11 +31,14 @@ def dense_layers(weights: NonExpertWeights, dense_format: str | None, group_size
     format; None, or no kernels built: torch's (oneDNN-packed) path. The weights' float matrices are released
     (or pointed at the layer's own copy), so each matrix is held once."""
     device, dtype = weights.embed.device, weights.embed.dtype
-    native = dense_format is not None and device.type == "cpu" and cpu_kernels.library() is not None
+    native = device.type == "cpu" and cpu_kernels.library() is not None
+    native_format = dense_format if native else None
     pack = should_pack(str(device), dtype)
 
     def linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
-        return NativeLinear(weight, bias, dense_format, group_size) if native else PackedLinear(weight, bias, pack)  # type: ignore[arg-type]
+        if native_format is not None:
+            return NativeLinear(weight, bias, native_format, group_size)
+        return PackedLinear(weight, bias, pack)
 
     layers = DenseLayers(linear(weights.lm_head, None), [], [])
     for layer in weights.layers:

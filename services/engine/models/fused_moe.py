@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 import torch
 import torch.nn.functional as F
 
 from services.engine import cpu_kernels
-from services.engine.expert_provider import ExpertWeights
+from services.engine.expert_provider import ExpertWeights, StoredWeights
 from services.engine.models.moe import record_routing
 from services.engine.models.packed_linear import PackedLinear, bucket_floor, padded_rows
 from services.engine.models.router import Routing
@@ -66,9 +67,11 @@ class StackedExperts:
         return ExpertWeights(self.w13[e].t(), self.w2[e].t())
 
 
-def stackable(experts: list[ExpertWeights]) -> bool:
+def stackable(experts: list[StoredWeights]) -> TypeGuard[list[ExpertWeights]]:
     """Plain dense experts of one shape and dtype (quantized or subclassed formats keep the per-expert path)."""
     first = experts[0]
+    if not isinstance(first, ExpertWeights):
+        return False
     return all(
         type(w) is ExpertWeights
         and w.gate_up.shape == first.gate_up.shape
@@ -145,6 +148,7 @@ def _packed_one_token(
     for expert, weight in zip(experts[0].tolist(), weights[0].tolist()):
         y = _packed_swiglu(packed[expert], x) * weight
         out = y if out is None else out.add_(y)
+    assert out is not None  # top-k >= 1: every token has an expert
     return out
 
 

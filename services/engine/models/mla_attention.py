@@ -46,13 +46,15 @@ def mla_attention(
     spec: ModelSpec,
 ) -> torch.Tensor:
     """x: [tokens, hidden] -> [tokens, hidden]; writes the tokens' latents into latent_cache [slots, width]."""
-    mla: MlaDims = spec.mla  # type: ignore[assignment]
+    mla = spec.mla
+    assert mla is not None  # an MLA layer's model has MLA dims
     tokens = x.shape[0]
     rope = apply_rope_interleaved if mla.rope_interleave else apply_rope
 
     if w.q is not None:
         q = F.linear(x, w.q)
     else:
+        assert w.q_a is not None and w.q_a_norm is not None and w.q_b is not None  # q_lora_rank set: the low-rank q
         q = F.linear(rms_norm(F.linear(x, w.q_a, w.q_a_bias), w.q_a_norm, LATENT_NORM_EPS), w.q_b)
     q_nope, q_rope = q.view(tokens, spec.num_heads, mla.qk_head_dim).split(
         [mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1

@@ -105,6 +105,7 @@ class MoECausalLM:
         spec, layers = self.spec, self.w.layers
         last = len(layers) - 1
         prune = prune and output_rows is not None and not ctx.layer_observers and self._prunable(last)
+        prune_rows = output_rows if prune else None  # the last layer attends only these rows
         h = F.embedding(input_ids, self.w.embed)
         ctx.embeddings = h
         # One torch thread, fp32 on the CPU: norms, RoPE and the KV write through the native kernels (RoPE from
@@ -115,12 +116,13 @@ class MoECausalLM:
         h, x = add_rms_norm(h, None, layers[0].input_norm, spec.rms_norm_eps, native)
         for i, layer in enumerate(layers):
             if isinstance(layer.attention, MlaWeights):
-                attn = mla_attention(x, layer.attention, self.latent_caches[i], *rope, meta, spec)  # type: ignore[misc]
+                assert rope is not None  # MLA never rotates in one native pass (one_pass_rope)
+                attn = mla_attention(x, layer.attention, self.latent_caches[i], rope[0], rope[1], meta, spec)
             else:
                 attn = self._attention(i, layer.attention, x, positions, rope, meta,
-                                       output_rows if prune and i == last else None)
-            if prune and i == last:
-                h = h.index_select(0, output_rows)  # type: ignore[arg-type]
+                                       prune_rows if i == last else None)
+            if prune_rows is not None and i == last:
+                h = h.index_select(0, prune_rows)
             h, x = add_rms_norm(h, attn, layer.post_attention_norm, spec.rms_norm_eps, native)
             ctx.layer_inputs[i] = h  # the residual stream entering the MoE block (speculative prefetch)
             next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else self.w.final_norm
@@ -153,7 +155,9 @@ class MoECausalLM:
         output_rows (a prefill's last tokens): every row's k and v are cached, only these rows attend."""
         spec = self.spec
         tokens = x.shape[0]
-        qkv = self.qkv[i](x)  # type: ignore[misc]
+        qkv_proj = self.qkv[i]
+        assert qkv_proj is not None  # None only for an MLA layer, which mla_attention runs
+        qkv = qkv_proj(x)
         q_width, kv_width, _ = self.qkv_sizes
         if self.one_pass_rope:
             if rope is None:
@@ -168,19 +172,23 @@ class MoECausalLM:
             q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
             v = qkv[:, q_width + kv_width :].view(tokens, spec.num_kv_heads, spec.head_dim)
             return self._attend(i, q, k, v, meta, output_rows=output_rows)
-        cos, sin = rope  # type: ignore[misc]
+        assert rope is not None  # only the one-pass path rotates from the full tables
+        cos, sin = rope
         q, k, v = qkv.split(self.qkv_sizes, dim=-1)
+        q_norm, k_norm = a.q_norm, a.k_norm
         if spec.qk_norm == "full":  # OLMoE normalises the whole projection before splitting heads
-            q = rms_norm(q, a.q_norm, spec.rms_norm_eps)
-            k = rms_norm(k, a.k_norm, spec.rms_norm_eps)
+            assert q_norm is not None and k_norm is not None  # loaded whenever spec.qk_norm names them
+            q = rms_norm(q, q_norm, spec.rms_norm_eps)
+            k = rms_norm(k, k_norm, spec.rms_norm_eps)
         if spec.clip_qkv is not None:
             q, k, v = (t.clamp(-spec.clip_qkv, spec.clip_qkv) for t in (q, k, v))
         q = q.view(tokens, spec.num_heads, spec.head_dim)
         k = k.view(tokens, spec.num_kv_heads, spec.head_dim)
         v = v.view(tokens, spec.num_kv_heads, spec.head_dim)
         if spec.qk_norm == "head":  # Qwen3 normalises each head
-            q = rms_norm(q, a.q_norm, spec.rms_norm_eps)
-            k = rms_norm(k, a.k_norm, spec.rms_norm_eps)
+            assert q_norm is not None and k_norm is not None  # loaded whenever spec.qk_norm names them
+            q = rms_norm(q, q_norm, spec.rms_norm_eps)
+            k = rms_norm(k, k_norm, spec.rms_norm_eps)
         return self._attend(i, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, meta, output_rows=output_rows)
 
     def _attend(
@@ -199,12 +207,15 @@ class MoECausalLM:
             out = prefill_attention(q, k, v, meta.seq_lens, self.scale)
         else:
             out = decode_attention(q, self.k_caches[i], self.v_caches[i], meta, self.scale)
-        return self.o[i](out.reshape(tokens, -1))  # type: ignore[misc]
+        o_proj = self.o[i]
+        assert o_proj is not None  # None only for an MLA layer
+        return o_proj(out.reshape(tokens, -1))
 
     def _mlp(self, i: int, layer: LayerWeights, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         if layer.dense_mlp is not None:
             return swiglu(x, layer.dense_mlp.gate_up, layer.dense_mlp.down)
-        routing = route(self.spec, x, layer.router, layer.router_bias)  # type: ignore[arg-type]
+        assert layer.router is not None  # a layer without a dense MLP has routed experts
+        routing = route(self.spec, x, layer.router, layer.router_bias)
         stacked = self.experts.stacked_experts(i)
         native = self.experts.native_experts(i)
         if native is not None and cpu_kernels.usable(x):

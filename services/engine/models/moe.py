@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TypeGuard
+
 import torch
 import torch.nn.functional as F
 
@@ -34,7 +36,7 @@ def expert_forward(x: torch.Tensor, w: ExpertWeights | QuantizedExpertWeights) -
     return expert_down(expert_activation(x, w.gate_up), w.down, x.dtype)
 
 
-def native_expert(w: ExpertWeights | QuantizedExpertWeights) -> bool:
+def native_expert(w: ExpertWeights | QuantizedExpertWeights) -> TypeGuard[ExpertWeights]:
     """Whether cpu_kernels.expert_rows computes this expert: fp32 weights in torch's layout, contiguous
     (an expert cache slot's or the host store's views), widths in 16s; the activations are the caller's check."""
     return isinstance(w, ExpertWeights) and _native_matrix(w.gate_up) and _native_matrix(w.down)

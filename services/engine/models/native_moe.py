@@ -35,9 +35,9 @@ class NativeExperts:
         None when the kernels are not built or cannot read one of them (then the per-expert path runs)."""
         if cpu_kernels.library() is None:
             return None
-        gate_up = [formats.as_cpu_matrix(w.gate_up) for w in experts]
-        down = [formats.as_cpu_matrix(w.down) for w in experts]
-        matrices = [m for m in (*gate_up, *down) if m is not None]
+        gate_up = [m for w in experts if (m := formats.as_cpu_matrix(w.gate_up)) is not None]
+        down = [m for w in experts if (m := formats.as_cpu_matrix(w.down)) is not None]
+        matrices = [*gate_up, *down]
         if len(matrices) != 2 * len(experts) or len({(m.format, m.group) for m in matrices}) != 1:
             return None
         return cls(formats.native_array(gate_up), formats.native_array(down), down[0].shape[0], matrices)

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from services.engine.expert_provider import ExpertWeights
 from services.engine.models.checkpoint import Checkpoint
 from services.engine.models.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from services.engine.quant.checkpoint import QuantizedCheckpoint
 
 # Per-expert names (gate, up, down): Mixtral's original and the gate_proj/up_proj/down_proj convention.
 _PER_EXPERT_NAMES = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
@@ -77,7 +81,9 @@ class NonExpertWeights:
 class WeightReader:
     """Converts checkpoint tensors to the run dtype and device as they are read."""
 
-    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self, checkpoint: Checkpoint | QuantizedCheckpoint, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
         self.ckpt = checkpoint
         self.dtype = dtype
         self.device = device
@@ -92,7 +98,7 @@ class WeightReader:
         return self.tensor(name, dtype=dtype) if name in self.ckpt else None
 
 
-def _moe_prefix(ckpt: Checkpoint, layer: int) -> str:
+def _moe_prefix(ckpt: Checkpoint | QuantizedCheckpoint, layer: int) -> str:
     for prefix in (f"model.layers.{layer}.block_sparse_moe", f"model.layers.{layer}.mlp"):
         if f"{prefix}.gate.weight" in ckpt:
             return prefix

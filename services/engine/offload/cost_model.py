@@ -58,13 +58,15 @@ def measure_costs(
     """`host_ratio` None on CUDA: the host is measured; on CPU the emulated host is that ratio (default
     DEFAULT_HOST_RATIO) times the device."""
     if device == "cpu":
-        dev = tuple(emulation_unit(hidden, intermediate, dtype, n) for n in (1, PROBE_TOKENS))
+        dev = (emulation_unit(hidden, intermediate, dtype, 1), emulation_unit(hidden, intermediate, dtype, PROBE_TOKENS))
         ratio = host_ratio or DEFAULT_HOST_RATIO
         host = (ratio * dev[0], ratio * dev[1])
     else:
-        dev = tuple(_cuda_expert_seconds(hidden, intermediate, dtype, device, n) for n in (1, PROBE_TOKENS))
-        host = tuple(expert_compute_seconds(hidden, intermediate, dtype, 20, n) for n in (1, PROBE_TOKENS))
-    return PlacementCosts.fit(dev, host, _link_seconds(link, expert_bytes, dtype, device))  # type: ignore[arg-type]
+        dev = (_cuda_expert_seconds(hidden, intermediate, dtype, device, 1),
+               _cuda_expert_seconds(hidden, intermediate, dtype, device, PROBE_TOKENS))
+        host = (expert_compute_seconds(hidden, intermediate, dtype, 20, 1),
+                expert_compute_seconds(hidden, intermediate, dtype, 20, PROBE_TOKENS))
+    return PlacementCosts.fit(dev, host, _link_seconds(link, expert_bytes, dtype, device))
 
 
 def _link_seconds(link: Link, expert_bytes: int, dtype: torch.dtype, device: str) -> float:

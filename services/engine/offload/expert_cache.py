@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from services.engine.expert_provider import ExpertWeights
+from services.engine.expert_provider import StoredWeights
 from services.engine.offload.eviction.base import EvictionPolicy
-from services.engine.offload.host_store import ExpertLayout, Key
+from services.engine.offload.host_store import Key
 from services.engine.offload.link import ReadyEvent
+from services.engine.quant.layout import StoredLayout
 from services.engine.step_context import StepContext
+
+if TYPE_CHECKING:
+    from services.engine.offload.transfer_engine import Transfer
 
 
 @dataclass(eq=False)
@@ -18,11 +23,11 @@ class Slot:
     index: int
     key: Key | None = None
     event: ReadyEvent | None = None  # set while (or after) its transfer runs
-    transfer: object | None = None  # the Transfer that filled it
+    transfer: Transfer | None = None  # the one that filled it
     pins: int = 0
     prefetched: bool = False  # filled by a prefetch that no router has asked for yet
     protected: bool = False  # an unused prefetch whose target layer has not passed: keep it (MoE-Infinity)
-    fence: object | None = None  # CUDA: compute-stream event after the last use of the old contents
+    fence: torch.cuda.Event | None = None  # CUDA: compute-stream event after the last use of the old contents
 
     @property
     def ready(self) -> bool:
@@ -35,7 +40,7 @@ class Slot:
 
 class ExpertCache:
     def __init__(
-        self, num_slots: int, layout: ExpertLayout, dtype: torch.dtype, device: str, eviction: EvictionPolicy
+        self, num_slots: int, layout: StoredLayout, dtype: torch.dtype, device: str, eviction: EvictionPolicy
     ) -> None:
         self.layout = layout
         self.eviction = eviction
@@ -64,7 +69,7 @@ class ExpertCache:
     def lookup(self, key: Key) -> Slot | None:
         return self._slot_of.get(key)
 
-    def weights(self, slot: Slot) -> ExpertWeights:
+    def weights(self, slot: Slot) -> StoredWeights:
         return self._weights[slot.index]
 
     def flat(self, slot: Slot) -> torch.Tensor:
@@ -73,8 +78,8 @@ class ExpertCache:
     def evictable(self, include_protected: bool) -> list[Key]:
         """Resident, unpinned, fully loaded keys; protected prefetches only if `include_protected`."""
         return [
-            s.key  # type: ignore[misc]
-            for s in self._slot_of.values()
+            key
+            for key, s in self._slot_of.items()
             if s.pins == 0 and s.ready and (include_protected or not s.protected)
         ]
 

@@ -30,7 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from services.engine.expert_provider import ExpertWeights
+from services.engine.expert_provider import StoredWeights
 from services.engine.models.moe import expert_activation, expert_forward
 from services.engine.offload.link import hold_until_settled
 from services.engine.offload.memory_bus import HOST_LANE, BusJob, MemoryBus
@@ -51,7 +51,8 @@ class HostJob:
     def ready_at(self) -> float:
         """perf_counter seconds the emulated host finishes it (0 on a real host): a projection on the shared
         DRAM, which a copy the link starts later can push back."""
-        return 0.0 if self._bus_job is None else self._executor.bus.finish(self._bus_job)  # type: ignore[union-attr]
+        bus = self._executor.bus
+        return 0.0 if self._bus_job is None or bus is None else bus.finish(self._bus_job)
 
     def result(self) -> torch.Tensor:
         self._executor.flush()  # gathered before its layer's hand-off (no provider flushed): hand it off now
@@ -82,7 +83,7 @@ class HostExecutor:
         self._batch: list[tuple] = []  # this layer's jobs, handed to the workers together by flush()
 
     def submit(
-        self, weights: ExpertWeights, x: torch.Tensor, activation: bool = False, share: float = 1.0
+        self, weights: StoredWeights, x: torch.Tensor, activation: bool = False, share: float = 1.0
     ) -> HostJob:
         """The expert's output on x's device; `activation`: only its gate/up half (a split expert), which
         takes `share` of the whole expert's time. It starts at `flush` (the layer's one hand-off), on the
@@ -91,10 +92,10 @@ class HostExecutor:
         self.stats.host_tokens += x.shape[0]
         self.stats.host_split_experts += activation
         bus_job = None
-        if self._emulated_seconds is not None:
+        if self._emulated_seconds is not None and self.bus is not None:  # an emulated host always has a bus
             seconds = share * self._emulated_seconds(x.shape[0])
             nbytes = share * self.expert_bytes
-            bus_job = self.bus.add(HOST_LANE, nbytes, nbytes / seconds, time.perf_counter())  # type: ignore[union-attr]
+            bus_job = self.bus.add(HOST_LANE, nbytes, nbytes / seconds, time.perf_counter())
             self.stats.host_busy_seconds += seconds
         staged, copied = x, None
         if x.is_cuda:
@@ -117,8 +118,9 @@ class HostExecutor:
 
     def backlog_seconds(self) -> float:
         """Emulated work queued ahead of a job submitted now (0 on a real host: not tracked)."""
-        last = self.bus.last(HOST_LANE) if self.bus is not None else None
-        return 0.0 if last is None else max(0.0, self.bus.finish(last) - time.perf_counter())  # type: ignore
+        bus = self.bus
+        last = bus.last(HOST_LANE) if bus is not None else None
+        return 0.0 if bus is None or last is None else max(0.0, bus.finish(last) - time.perf_counter())
 
     def _run_batch(self, batch: list[tuple]) -> None:
         for job, *args in batch:
@@ -128,14 +130,18 @@ class HostExecutor:
                 job._future.set_exception(e)
 
     def _run(
-        self, weights: ExpertWeights, x: torch.Tensor, copied: torch.cuda.Event | None, device: torch.device,
+        self, weights: StoredWeights, x: torch.Tensor, copied: torch.cuda.Event | None, device: torch.device,
         real: bool, activation: bool,
     ) -> torch.Tensor:
         """`x` on the host (`copied`: the CUDA event its copy from the device records, or None)."""
         if copied is not None:
             copied.synchronize()
         start = time.perf_counter()
-        y = expert_activation(x, weights.gate_up) if activation else expert_forward(x, weights)
+        if activation:
+            assert isinstance(weights.gate_up, torch.Tensor)  # only a dense expert splits
+            y = expert_activation(x, weights.gate_up)
+        else:
+            y = expert_forward(x, weights)
         if real:
             self.stats.host_busy_seconds += time.perf_counter() - start
         if device.type != "cuda":

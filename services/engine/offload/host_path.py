@@ -16,6 +16,7 @@ import torch
 
 from services.engine.expert_provider import ExpertProvider, ExpertWeights, HostResult, LayerPlan
 from services.engine.models.moe import moe_forward
+from services.engine.models.router import Routing
 from services.engine.offload.host_executor import HostExecutor
 from services.engine.offload.stats import OffloadStats
 from services.engine.step_context import Phase, StepContext
@@ -39,7 +40,8 @@ class _TinyProvider(ExpertProvider):
         return self.weights[expert]
 
     def host_forward(self, layer: int, expert: int, x: torch.Tensor) -> HostResult:
-        return self.executor.submit(self.weights[expert], x)  # type: ignore[union-attr]
+        assert self.executor is not None  # begin_layer places experts on the host only with one
+        return self.executor.submit(self.weights[expert], x)
 
     def dispatched(self, layer: int, ctx: StepContext) -> None:
         if self.executor is not None:
@@ -60,7 +62,7 @@ def _layer_seconds(provider: _TinyProvider, tokens: int, repeats: int) -> float:
     samples = []
     for i in range(repeats + repeats // 10):
         start = time.perf_counter()
-        moe_forward(x, 0, (weights, experts, probs), provider, ctx)
+        moe_forward(x, 0, Routing(weights, experts, probs), provider, ctx)
         if i >= repeats // 10:  # the first tenth warms the threads up
             samples.append(time.perf_counter() - start)
     return statistics.median(samples)

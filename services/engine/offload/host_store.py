@@ -2,48 +2,42 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Protocol
+
 import torch
 from tqdm import tqdm
 
-from services.engine.expert_provider import ExpertWeights
+from services.engine.expert_format import ExpertLayout
+from services.engine.expert_provider import StoredWeights
 from services.engine.models.spec import ModelSpec
 from services.engine.models.weights import WeightReader, expert_loader
+from services.engine.quant.layout import StoredLayout
 
 Key = tuple[int, int]  # (layer, expert)
 
 
-class ExpertLayout:
-    """Where gate_up and down live inside one flat expert buffer (also the chunks of a transfer).
+class ExpertStore(Protocol):
+    """Every expert in host memory, as the offloaded provider reads it (the simulator's stand-in holds none)."""
 
-    The dense layout; services/engine/quant/layout.py has the packed int8/int4 one with the same interface."""
+    @property
+    def layout(self) -> StoredLayout: ...
 
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype = torch.float32) -> None:
-        self.dtype = dtype
-        self.gate_up_shape = (2 * intermediate, hidden)
-        self.down_shape = (hidden, intermediate)
-        self.gate_up_numel = 2 * intermediate * hidden
-        self.numel = self.gate_up_numel + hidden * intermediate
+    @property
+    def buffers(self) -> Mapping[Key, torch.Tensor]: ...
 
-    def pack(self, w: ExpertWeights, flat: torch.Tensor) -> None:
-        flat[: self.gate_up_numel].copy_(w.gate_up.flatten())
-        flat[self.gate_up_numel :].copy_(w.down.flatten())
+    @property
+    def expert_bytes(self) -> int: ...
 
-    def views(self, flat: torch.Tensor) -> ExpertWeights:
-        return ExpertWeights(
-            flat[: self.gate_up_numel].view(self.gate_up_shape), flat[self.gate_up_numel :].view(self.down_shape)
-        )
-
-    def chunks(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """One chunk per expert matrix, so a demand fetch waits at most one matrix behind a prefetch."""
-        return [flat[: self.gate_up_numel], flat[self.gate_up_numel :]]
+    def weights(self, key: Key) -> StoredWeights: ...
 
 
 class HostExpertStore:
-    def __init__(self, reader: WeightReader, spec: ModelSpec, pin: bool, layout: ExpertLayout | None = None) -> None:
+    def __init__(self, reader: WeightReader, spec: ModelSpec, pin: bool, layout: StoredLayout | None = None) -> None:
         self.layout = layout or ExpertLayout(spec.hidden_size, spec.moe_intermediate_size, reader.dtype)
         self.dtype = self.layout.dtype
         self.buffers: dict[Key, torch.Tensor] = {}
-        self._views: dict[Key, object] = {}
+        self._views: dict[Key, StoredWeights] = {}
         layers = [layer for layer in range(spec.num_layers) if spec.moe_layers[layer]]
         for layer in tqdm(layers, desc="host expert store", unit="layer", leave=False):
             load = expert_loader(reader, spec, layer)
@@ -55,13 +49,13 @@ class HostExpertStore:
 
     @property
     def expert_bytes(self) -> int:
-        return self.layout.numel * self.dtype.itemsize
+        return self.layout.nbytes
 
     @property
     def total_bytes(self) -> int:
         return self.expert_bytes * len(self.buffers)
 
-    def weights(self, key: Key):  # ExpertWeights, or QuantizedExpertWeights for a packed layout
+    def weights(self, key: Key) -> StoredWeights:
         views = self._views.get(key)
         if views is None:  # built once: a host expert's views are asked for on every miss
             views = self._views[key] = self.layout.views(self.buffers[key])

@@ -5,76 +5,69 @@ device for the whole run (static placements)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
-from services.engine.expert_provider import HostResult, LayerPlan
-from services.engine.offload.expert_cache import Slot
-from services.engine.offload.host_store import Key
-from services.engine.offload.link import EmulatedLink, ReadyEvent
+from services.engine.expert_format import ExpertLayout
+from services.engine.expert_provider import HostCompute, HostResult, LayerPlan
+from services.engine.offload.cost_model import PlacementCosts
+from services.engine.offload.expert_cache import ExpertCache, Slot
+from services.engine.offload.guess_ledger import GuessLedger
+from services.engine.offload.host_store import ExpertStore, Key
+from services.engine.offload.link import EmulatedLink, Landed
 from services.engine.offload.placement import Placement
-from services.engine.offload.prefetch.base import PrefetchRequest
+from services.engine.offload.prefetch.base import Prefetcher, PrefetchRequest
 from services.engine.offload.prefetch_gate import PrefetchGate
-from services.engine.offload.provider import OffloadedExpertProvider
+from services.engine.offload.provider import Fence, OffloadedExpertProvider, PhaseRules
 from services.engine.offload.split_experts import DownStaging
-from services.engine.offload.transfer_engine import Transfer
+from services.engine.offload.stats import OffloadStats
+from services.engine.offload.transfer_engine import Transfer, TransferEngine
 from services.engine.step_context import StepContext
 
 QUIET_AFTER_STEPS = 4  # decode steps without a miss before the per-step machinery stops
 
 
-class Landed(ReadyEvent):
-    """A pinned expert copied at start-up, before serving."""
-
-    def is_ready(self) -> bool:
-        return True
-
-    def wait(self) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-
 class HybridExpertProvider(OffloadedExpertProvider):
     def __init__(
-        self, *args, executor, placement: Placement, pinned: list[Key] = (), prefetch_floor: float = 0.0,
-        prefetch_depth: int = 0, split_staging: int = 0, clock: Callable[[], float] = time.perf_counter, **kwargs
-    ) -> None:  # type: ignore[assignment]
-        """`clock`: the provider's time (the simulator's own clock there): what the prefetch gate times a
-        prefetcher's planning with, and what an in-flight transfer's landing is read against."""
-        super().__init__(*args, **kwargs)
+        self, store: ExpertStore, cache: ExpertCache, transfers: TransferEngine, prefetchers: list[Prefetcher],
+        rules: PhaseRules, stats: OffloadStats, *, executor: HostCompute, placement: Placement,
+        pinned: Sequence[Key] = (), prefetch_floor: float = 0.0, prefetch_depth: int = 0, split_staging: int = 0,
+        stream_slots: int = 2, fence: Fence | None = None, clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        """`executor` computes the host's experts and `placement` decides where each miss runs (collaborators,
+        the engine's or the simulator's); `clock`: the provider's time (the simulator's own clock there): what
+        the prefetch gate times a prefetcher's planning with, and what an in-flight transfer's landing is read
+        against."""
+        super().__init__(store, cache, transfers, prefetchers, rules, stats, stream_slots, fence)
         self.clock = clock
         self.prefetch_floor = prefetch_floor
         self.prefetch_depth = prefetch_depth  # prefetches on the link at once; 0: no limit
         self.executor = executor
         self.placement = placement
         self._tokens: dict[int, int] = {}
-        self.costs = getattr(placement, "costs", None)  # measured prices; None for a host-only placement
-        self.split_prices = getattr(placement, "split_prices", None)
-        self.staging = None
-        if self.split_prices is not None and split_staging > 0:
+        self.costs: PlacementCosts | None = placement.costs  # measured prices; None for a host-only placement
+        self.split_prices = placement.split_prices
+        self.staging: DownStaging | None = None
+        layout = store.layout
+        if self.split_prices is not None and split_staging > 0 and isinstance(layout, ExpertLayout):
+            # Only a dense expert splits (offload/split_experts.py): its down matrix is a plain slice.
             device = self.cache.storage[0].device if len(self.cache.slots) else "cpu"
-            self.staging = DownStaging(self.store.layout, device, capacity=split_staging)
+            self.staging = DownStaging(layout, device, capacity=split_staging)
         self._split: dict[int, tuple[int, Transfer]] = {}  # this layer's split experts: staging buffer, down
         self._downs: dict[Key, torch.Tensor] = {}  # each expert's down matrix in the host store (views)
         self._hot_missing: list[Key] = []  # hot-set experts not cached, as of the last step end
-        self.gate = None
+        self.gate: PrefetchGate | None = None
         if self.costs is not None and prefetch_depth > 0:
-            self.gate = PrefetchGate(self._saving_per_hit(), self._copy_cpu_seconds() + self._copy_dram_seconds(),
-                                     clock=clock)
-        # What the gate is told: which prefetcher filled each prefetched slot, and which evicted each
-        # recent victim (a miss on one is a hit that prefetcher displaced); None: the hot-set fill.
-        self._asking: int | None = None
-        self._issuer: dict[int, int | None] = {}  # slot index -> id(prefetcher)
+            self.gate = PrefetchGate(self._saving_per_hit(self.costs),
+                                     self._copy_cpu_seconds() + self._copy_dram_seconds(self.costs), clock=clock)
+        self.ledger = GuessLedger()  # what the gate is told: who guessed what
         self._fetched_peak = 0  # most misses one layer of this step fetched whole
         # Quiet: the cache has held every expert decode asked for these last steps, so the per-step machinery
         # (prefetch planning and its gate, the hot-set fill and bookkeeping) has nothing to save; it stops until
         # a miss returns (the layer that misses turns it back on).
         self._clean_steps = 0  # decode steps in a row without a miss
         self._step_missed = False
-        self._ghosts: dict[int, dict[int, int]] = {}  # layer -> expert a prefetch evicted -> id(prefetcher)
         self.pinned = set(pinned)
         for key in pinned:
             self._pin_for_good(key)
@@ -82,16 +75,15 @@ class HybridExpertProvider(OffloadedExpertProvider):
     def begin_layer(
         self, layer: int, experts: list[int], ctx: StepContext, tokens: list[int] | None = None
     ) -> LayerPlan:
-        quiet = self.quiet
-        owed = self._settle_guesses(layer, experts) if self.gate is not None and not ctx.is_prefill and not quiet else ()
+        gate = self.gate if not ctx.is_prefill and not self.quiet else None
+        owed = self.ledger.settle(gate, self.cache, layer, experts) if gate is not None else []
         plan = super().begin_layer(layer, experts, ctx, tokens)
         slots = [self.cache.lookup((layer, e)) for e in plan.device]
         if plan.host or plan.split or any(slot is None or slot.loading for slot in slots):
             self._step_missed = True
             self._clean_steps = 0  # a miss: the machinery is back from this layer on
-        for expert, issuer, ready in owed:
-            if expert in plan.device:  # computed on the device: the guess saved a miss (some of it, if late)
-                self.gate.credit(issuer, 1.0 if ready else 0.5)  # type: ignore[union-attr]
+        if gate is not None:
+            self.ledger.credit(gate, owed, plan.device)
         return plan
 
     @property
@@ -103,34 +95,12 @@ class HybridExpertProvider(OffloadedExpertProvider):
         if self.quiet and not ctx.is_prefill:
             return
         super().dispatched(layer, ctx)
-        self._asking = None  # the prefetchers asked in super() are done; the hot-set fill is nobody's guess
+        self.ledger.asking = None  # the prefetchers asked in super() are done; the hot-set fill is nobody's guess
         if self._hot_missing and not ctx.is_prefill:
             self._fill_hot_set(layer, ctx)
 
-    def _settle_guesses(self, layer: int, experts: list[int]) -> list[tuple[int, int, bool]]:
-        """Debits each miss a prefetch's eviction caused (the victim's layer asked for it again on its next
-        visit: a hit had it stayed) or the prefetches' reserve caused (the whole budget's hot set holds it);
-        returns the guesses this layer uses (expert, prefetcher, landed), credited once placement shows
-        where they run."""
-        ghosts = self._ghosts.pop(layer, {})
-        reserved = getattr(self.cache.eviction, "reserved", ())
-        owed = []
-        for expert in experts:
-            slot = self.cache.lookup((layer, expert))
-            if slot is None:
-                if expert in ghosts:
-                    self.gate.credit(ghosts[expert], -1.0)  # type: ignore[union-attr]
-                elif (layer, expert) in reserved:
-                    self.gate.charge_reserve(1.0)  # type: ignore[union-attr]
-            elif slot.prefetched and self._issuer.get(slot.index) is not None:
-                owed.append((expert, self._issuer[slot.index], slot.ready))
-        return owed
-
     def _prefetch_started(self, slot: Slot, evicted: Slot | None) -> None:
-        self._issuer[slot.index] = self._asking
-        if evicted is not None and self._asking is not None:
-            layer, expert = evicted.key  # type: ignore[misc]
-            self._ghosts.setdefault(layer, {})[expert] = self._asking
+        self.ledger.started(slot, evicted)
 
     def end_step(self, ctx: StepContext) -> None:
         if not ctx.is_prefill:
@@ -140,16 +110,15 @@ class HybridExpertProvider(OffloadedExpertProvider):
                 self.stats.quiet_steps += 1
                 self.stats.slots_occupied = self.cache.num_occupied
                 return  # the hot set and the guesses' trackers keep their state until misses return
-        reserve = getattr(self.cache.eviction, "reserve", None)
-        if reserve is not None and self.gate is not None and not ctx.is_prefill:
+        if self.gate is not None and not ctx.is_prefill:
             # Slots beside the hot set: the link's prefetches while the gate asks for any, and the slots this
             # step's whole fetches streamed through (top-k at most: _issue_pending); the rest hold hot experts.
             fetches = min(self._fetched_peak, self.stream_slots)
-            reserve(max(self.prefetch_depth if self.gate.asking() else 0, fetches))
+            self.cache.eviction.reserve(max(self.prefetch_depth if self.gate.asking() else 0, fetches))
         self._fetched_peak = 0
         super().end_step(ctx)
         if self.prefetch_depth > 0:  # the hot set changes at step ends only
-            hot = getattr(self.cache.eviction, "hot", ())
+            hot = self.cache.eviction.hot
             self._hot_missing = [key for key in hot if self.cache.lookup(key) is None]
 
     def _holds_back(self, victim: Key | None) -> bool:
@@ -157,8 +126,8 @@ class HybridExpertProvider(OffloadedExpertProvider):
         of them (it frees once the layer has computed its expert; `get` then issues the next fetch), a demand
         waits for it rather than evict a hot expert, which the next step would miss. The link copies one
         expert at a time, so two such slots keep it busy. With none held, the fetch starts now."""
-        hot = getattr(self.cache.eviction, "hot", None)
-        if not hot or victim not in hot or self._ctx.is_prefill:  # type: ignore[union-attr]
+        hot = self.cache.eviction.hot
+        if not hot or victim not in hot or self._ctx is None or self._ctx.is_prefill:
             return False
         return any(slot.key not in hot for slot in self._pinned)
 
@@ -188,12 +157,12 @@ class HybridExpertProvider(OffloadedExpertProvider):
         unstarted, landing = [], {}
         now = self.clock()
         for e in inflight:
-            transfer = self.cache.lookup((layer, e)).transfer  # type: ignore[union-attr]
-            if transfer.next_chunk == 0:  # type: ignore[union-attr]
+            transfer = self._transfer_of((layer, e))
+            if transfer.next_chunk == 0:
                 unstarted.append(e)
             elif self.costs is not None:  # the chunks copied land at copied_until; the bytes left follow
-                left = self.costs.link * transfer.share_left  # type: ignore[union-attr]
-                landing[e] = max(0.0, transfer.copied_until - now) + left  # type: ignore[union-attr]
+                left = self.costs.link * transfer.share_left
+                landing[e] = max(0.0, transfer.copied_until - now) + left
         self._tokens.clear()
         self._tokens.update(zip(experts, tokens or [1] * len(experts)))
         started = [e for e in inflight if e not in unstarted]
@@ -214,20 +183,21 @@ class HybridExpertProvider(OffloadedExpertProvider):
 
     def _fetch_down(self, key: Key) -> None:
         """A split expert's down matrix to a staging buffer, as a demand (it is needed this layer)."""
-        index = self.staging.acquire()  # type: ignore[union-attr]
+        staging = self._staging()
+        index = staging.acquire()
         down = self._downs.get(key)
         if down is None:
             down = self._downs[key] = self.store.layout.chunks(self.store.buffers[key])[1]
         event = self.transfers.link.new_event()
-        transfer = Transfer(key, [(self.staging.buffers[index], down)], event, True, float("inf"), (0, 0),  # type: ignore
-                            fence=self.staging.fences[index], chunk_offset=1)  # type: ignore[union-attr]
+        transfer = Transfer(key, [(staging.buffers[index], down)], event, True, float("inf"), (0, 0),
+                            fence=staging.fences[index], chunk_offset=1)
         self.transfers.submit(transfer)
         self._split[key[1]] = (index, transfer)
 
     def _drop_unstarted(self, key: Key) -> None:
         """A prefetch the host computes instead: take it off the link, so it serves the next one."""
         slot = self.cache.lookup(key)
-        if slot is None or not self.transfers.cancel(slot.transfer):  # type: ignore[arg-type]
+        if slot is None or slot.transfer is None or not self.transfers.cancel(slot.transfer):
             return
         self._unpin(key)
         self.cache.release(slot)
@@ -235,15 +205,16 @@ class HybridExpertProvider(OffloadedExpertProvider):
 
     def _unpin(self, key: Key) -> None:
         slot = self.cache.lookup(key)
-        slot.pins -= 1  # type: ignore[union-attr]
-        self._pinned.remove(slot)  # type: ignore[arg-type]
+        assert slot is not None  # only this layer's pinned slots are unpinned
+        slot.pins -= 1
+        self._pinned.remove(slot)
 
     def _link_backlog(self) -> float:
         """What a demand fetch queues behind: demands still loading, and a prefetch chunk on the link (a
         demand overtakes queued prefetches, not the chunk being copied: half an expert on average)."""
         if self.costs is None:
             return 0.0
-        demands = sum(1 for s in self.cache.slots if s.loading and s.transfer.demand)  # type: ignore[union-attr]
+        demands = sum(1 for s in self.cache.slots if s.loading and s.transfer is not None and s.transfer.demand)
         prefetching = any(not t.event.is_ready() for t, _ in self._prefetches)
         return self.costs.link * (demands + 0.5 * prefetching)
 
@@ -257,16 +228,15 @@ class HybridExpertProvider(OffloadedExpertProvider):
             limit = room if limit is None else min(limit, room)
         super()._issue_prefetches(requests, ctx, limit)
 
-    def _saving_per_hit(self) -> float:
+    def _saving_per_hit(self, costs: PlacementCosts) -> float:
         """What a guess that lands saves on one token: the miss's cheapest other side, less the device."""
-        miss = min(self.costs.host(1), self.placement.split_seconds(1))  # type: ignore[union-attr,attr-defined]
-        return max(0.0, miss - self.costs.device(1))  # type: ignore[union-attr]
+        miss = min(costs.host(1), self.placement.split_seconds(1))
+        return max(0.0, miss - costs.device(1))
 
-    def _copy_dram_seconds(self) -> float:
+    def _copy_dram_seconds(self, costs: PlacementCosts) -> float:
         """The host's time one expert's copy takes from it: its bytes on the DRAM the host's math reads too (one
         DRAM, offload/memory_bus.py; the host's GEMV alone takes all of it), 0 where the DRAM is not modelled."""
-        dram = self.costs.dram  # type: ignore[union-attr]
-        return 0.0 if dram == float("inf") else self.costs.link_bytes / dram  # type: ignore[union-attr]
+        return 0.0 if costs.dram == float("inf") else costs.link_bytes / costs.dram
 
     def _copy_cpu_seconds(self) -> float:
         """Compute-side seconds one expert's transfer takes: the memcpy of an emulated link (the copy
@@ -284,7 +254,7 @@ class HybridExpertProvider(OffloadedExpertProvider):
     def _plan(self, prefetcher, layer: int, ctx: StepContext) -> list[PrefetchRequest]:
         if self.gate is None:
             return prefetcher.plan(layer, ctx)
-        self._asking = id(prefetcher)
+        self.ledger.asking = id(prefetcher)
         is_new = lambda r: self.cache.lookup((r.layer, r.expert)) is None and self._likely(r)  # noqa: E731
         return self.gate.plan(prefetcher, layer, ctx, is_new, self._link_room())
 
@@ -306,10 +276,11 @@ class HybridExpertProvider(OffloadedExpertProvider):
         # The longer half starts first: each side's clock runs from its submit, and the other's submit
         # takes tens of microseconds here.
         part, costs = self.split_prices, self.costs
-        host_first = part.host * costs.host(x.shape[0]) >= part.link * costs.link  # type: ignore[union-attr]
+        assert part is not None and costs is not None  # the placement splits only with split prices
+        host_first = part.host * costs.host(x.shape[0]) >= part.link * costs.link
         if not host_first:
             self._fetch_down((layer, expert))
-        job = self.executor.submit(self.store.weights((layer, expert)), x, activation=True, share=part.host)  # type: ignore[union-attr]
+        job = self.executor.submit(self.store.weights((layer, expert)), x, activation=True, share=part.host)
         if host_first:
             self._fetch_down((layer, expert))
         return job
@@ -317,13 +288,19 @@ class HybridExpertProvider(OffloadedExpertProvider):
     def get_down(self, layer: int, expert: int) -> torch.Tensor:
         index, transfer = self._split[expert]
         self._wait_landed(transfer.event)
-        return self.staging.down(index)  # type: ignore[union-attr]
+        return self._staging().down(index)
 
     def end_layer(self, layer: int, ctx: StepContext) -> None:
         super().end_layer(layer, ctx)
-        for index, _ in self._split.values():
-            self.staging.release(index, self._fence() if self._fence is not None else None)  # type: ignore
+        if self._split:
+            staging = self._staging()
+            for index, _ in self._split.values():
+                staging.release(index, self._fence() if self._fence is not None else None)
         self._split.clear()
+
+    def _staging(self) -> DownStaging:
+        assert self.staging is not None, "no staging: the placement splits no expert"
+        return self.staging
 
     @property
     def device_bytes(self) -> int:

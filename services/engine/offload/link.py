@@ -40,6 +40,19 @@ class ReadyEvent(ABC):
         """Blocks the calling host thread until the transfer has landed."""
 
 
+class Landed(ReadyEvent):
+    """A pinned expert copied at start-up, before serving."""
+
+    def is_ready(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
 class ThreadEvent(ReadyEvent):
     """Set by the transfer worker once the data is copied; ready from `ready_at()` on (an emulated link's
     landing time, a projection that may move later while the DRAM is shared; None: as soon as it is set)."""
@@ -77,9 +90,12 @@ class Link(ABC):
         its last chunk would have landed), so the worker picks the next chunk when a copy engine would."""
 
     @abstractmethod
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, issued_at: float = 0.0) -> None:
-        """Copies one chunk (called on the transfer worker thread only); `issued_at`: when its transfer was
-        handed to the link (perf_counter seconds)."""
+    def copy(
+        self, dst: torch.Tensor, src: torch.Tensor, fence: torch.cuda.Event | None = None, *, issued_at: float = 0.0
+    ) -> None:
+        """Copies one chunk (called on the transfer worker thread only); `fence`: CUDA, the compute stream's
+        last use of `dst`'s old contents; `issued_at`: when its transfer was handed to the link (perf_counter
+        seconds)."""
 
     @property
     def busy_until(self) -> float:
@@ -112,7 +128,9 @@ class EmulatedLink(Link):
         while (delay := self.busy_until - time.perf_counter()) > 0:  # a shared DRAM may push it back
             time.sleep(delay)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, issued_at: float = 0.0) -> None:
+    def copy(
+        self, dst: torch.Tensor, src: torch.Tensor, fence: torch.cuda.Event | None = None, *, issued_at: float = 0.0
+    ) -> None:
         # A copy engine takes a transfer up when it is issued, or when its previous copy ends (the bus's lane
         # runs one chunk at a time): the worker thread's own wake-up (~70 us here) and its turn between chunks
         # are not the link's time. (`issued_at` 0: from now.)
@@ -130,7 +148,8 @@ class EmulatedLink(Link):
 
     def complete(self, event: ReadyEvent) -> None:
         chunk, bus = self._last, self.bus
-        event.set(ready_at=lambda: bus.finish(chunk))  # type: ignore[attr-defined,arg-type]
+        assert isinstance(event, ThreadEvent) and chunk is not None  # its own event, after its chunks
+        event.set(ready_at=lambda: bus.finish(chunk))
 
 
 _PR_SET_TIMERSLACK = 29

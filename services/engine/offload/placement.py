@@ -37,6 +37,13 @@ class SplitPrices(NamedTuple):
 
 
 class Placement(ABC):
+    costs: PlacementCosts | None = None  # the prices it weighs; None: it never weighs any (host only)
+    split_prices: SplitPrices | None = None  # a split expert's share of each price; None: it never splits
+
+    def split_seconds(self, tokens: int, host_done: float = 0.0, link_done: float = 0.0) -> float:
+        """When a split expert would be done, both sides starting behind what they hold (inf: no splitting)."""
+        return math.inf
+
     @abstractmethod
     def place(
         self, misses: list[int], tokens: dict[int, int], ctx: StepContext, host_backlog: float,
@@ -57,7 +64,7 @@ class HostPlacement(Placement):
 
 class CostPlacement(Placement):
     def __init__(self, costs: PlacementCosts, stream_prefill: bool, split: SplitPrices | None = None) -> None:
-        self.costs = costs
+        self.costs: PlacementCosts = costs
         self.stream_prefill = stream_prefill
         self.split_prices = split
 
@@ -88,8 +95,9 @@ class CostPlacement(Placement):
                 host_jobs.append(alone)
             elif halves < on_device:
                 placed.split.append(expert)
-                host_jobs.append(pieces[0])  # type: ignore[index]
-                link_jobs.append(pieces[1])  # type: ignore[index]
+                assert pieces is not None  # halves is finite only when priced
+                host_jobs.append(pieces[0])
+                link_jobs.append(pieces[1])
             else:
                 placed.fetch.append(expert)
                 if lands is None:
@@ -115,7 +123,6 @@ class CostPlacement(Placement):
         return host_done, link_done
 
     def split_seconds(self, tokens: int, host_done: float = 0.0, link_done: float = 0.0) -> float:
-        """When a split expert would be done, both sides starting behind what they hold (inf: no splitting)."""
         part, c = self.split_prices, self.costs
         if part is None:
             return float("inf")

@@ -103,8 +103,7 @@ class PrefetchGate:
 
 def _precision(prefetcher: Prefetcher) -> float:
     """How often the prefetcher's guesses were then routed to (its own tracker), 1 if it keeps none."""
-    tracker = getattr(prefetcher, "tracker", None) or getattr(prefetcher, "calibration", None)
-    return tracker.precision if tracker is not None else 1.0
+    return prefetcher.tracker.precision if prefetcher.tracker is not None else 1.0
 
 
 def _average(mean: float | None, sample: float) -> float:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.engine.expert_provider import ExpertProvider, ExpertWeights, LayerPlan
+import torch
+
+from services.engine.expert_provider import ExpertProvider, LayerPlan, StoredWeights
 from services.engine.offload.eviction.base import EvictionPolicy
 from services.engine.offload.expert_cache import ExpertCache, Slot
-from services.engine.offload.host_store import HostExpertStore, Key
+from services.engine.offload.host_store import ExpertStore, Key
 from services.engine.offload.link import ReadyEvent
 from services.engine.offload.prefetch.base import Prefetcher, PrefetchRequest
 from services.engine.offload.stats import OffloadStats
@@ -17,6 +20,7 @@ from services.engine.offload.transfer_engine import Transfer, TransferEngine
 from services.engine.step_context import StepContext
 
 _DEMAND = float("inf")
+Fence = Callable[[], torch.cuda.Event]  # CUDA: records a compute-stream event the link waits on before reusing a slot
 
 
 @dataclass(frozen=True)
@@ -32,14 +36,14 @@ class OffloadedExpertProvider(ExpertProvider):
 
     def __init__(
         self,
-        store: HostExpertStore,
+        store: ExpertStore,
         cache: ExpertCache,
         transfers: TransferEngine,
         prefetchers: list[Prefetcher],
         rules: PhaseRules,
         stats: OffloadStats,
         stream_slots: int = 2,
-        fence=None,
+        fence: Fence | None = None,
     ) -> None:
         self.store = store
         self.cache = cache
@@ -92,7 +96,7 @@ class OffloadedExpertProvider(ExpertProvider):
                 self.stats.inflight_hits[layer] += 1
         misses, inflight, host, split = self._place_misses(layer, experts, tokens, misses, inflight, ctx)
         for expert in inflight:
-            self.transfers.promote(self.cache.lookup((layer, expert)).transfer)  # type: ignore[union-attr,arg-type]
+            self.transfers.promote(self._transfer_of((layer, expert)))
         self._pending = deque(misses)
         self._demanded.clear()
         if self.rules.early_demand:
@@ -106,7 +110,7 @@ class OffloadedExpertProvider(ExpertProvider):
                 self._issue_prefetches(self._plan(prefetcher, layer, ctx), ctx)
             self._track_peak()
 
-    def get(self, layer: int, expert: int) -> ExpertWeights:
+    def get(self, layer: int, expert: int) -> StoredWeights:
         self._finish_current()
         slot = self.cache.lookup((layer, expert))
         if slot is None:
@@ -118,11 +122,12 @@ class OffloadedExpertProvider(ExpertProvider):
         if self.rules.early_demand:
             self._issue_pending()
         self._current = slot
-        self._wait_landed(slot.event)  # type: ignore[arg-type]
+        self._wait_landed(slot.event)
         return self.cache.weights(slot)
 
-    def _wait_landed(self, event: ReadyEvent) -> None:
+    def _wait_landed(self, event: ReadyEvent | None) -> None:
         """Compute waits for a transfer; the time it stalls counts as blocking."""
+        assert event is not None, "a slot the layer uses has been filled or is being filled"
         if event.is_ready():
             event.wait()  # CUDA: orders the compute stream after the copy
         else:
@@ -151,9 +156,7 @@ class OffloadedExpertProvider(ExpertProvider):
 
     def close(self) -> None:
         for prefetcher in self.prefetchers:  # e.g. the hint prefetcher's predictor link thread
-            close = getattr(prefetcher, "close", None)
-            if close is not None:
-                close()
+            prefetcher.close()
         self.transfers.shutdown()
 
     def _place_misses(
@@ -210,13 +213,20 @@ class OffloadedExpertProvider(ExpertProvider):
     def _reclaim_prefetch_slot(self) -> None:
         loading = [s for s in self.cache.slots if s.key is not None and s.pins == 0 and s.loading]
         for slot in loading:
-            if self.transfers.cancel(slot.transfer):  # type: ignore[arg-type]
+            if slot.transfer is not None and self.transfers.cancel(slot.transfer):
                 self.cache.release(slot)
                 self.stats.prefetches_cancelled += 1
                 return
         if not loading:
             raise RuntimeError("expert cache too small: every slot is pinned by the current layer")
-        loading[0].event.synchronize()  # type: ignore[union-attr]  # already on the link: let it land
+        event = loading[0].event
+        assert event is not None  # a loading slot has its event
+        event.synchronize()  # already on the link: let it land
+
+    def _transfer_of(self, key: Key) -> Transfer:
+        slot = self.cache.lookup(key)
+        assert slot is not None and slot.transfer is not None, f"{key} is not on the link"
+        return slot.transfer
 
     # ---- prefetch ----
     def _plan(self, prefetcher: Prefetcher, layer: int, ctx: StepContext) -> list[PrefetchRequest]:

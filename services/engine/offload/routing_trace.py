@@ -5,6 +5,8 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import os
+from dataclasses import dataclass
 
 from services.engine.step_context import StepContext
 
@@ -39,19 +41,19 @@ class RoutingTrace:
 
     def next_use(self, key: Key, step: int, layer: int) -> float:
         """Position (step * layers + layer) of the next use of `key` after (step, layer); inf if never."""
-        if self._positions is None:
-            self._index()
-        positions = self._positions.get(key, [])  # type: ignore[union-attr]
+        index = self._positions if self._positions is not None else self._index()
+        positions = index.get(key, [])
         i = bisect.bisect_right(positions, step * self.num_layers + layer)
         return positions[i] if i < len(positions) else math.inf
 
-    def _index(self) -> None:
+    def _index(self) -> dict[Key, list[int]]:
         positions: dict[Key, list[int]] = {}
         for step, layers in enumerate(self.steps):
             for layer, experts in enumerate(layers):
                 for e in experts:
                     positions.setdefault((layer, e), []).append(step * self.num_layers + layer)
         self._positions = positions
+        return positions
 
     def hot_set(self, size: int) -> set[Key]:
         """The `size` most frequently used experts (a static policy's pinned set)."""
@@ -60,7 +62,7 @@ class RoutingTrace:
             for layer, experts in enumerate(layers):
                 for e in experts:
                     counts[(layer, e)] = counts.get((layer, e), 0) + 1
-        return set(sorted(counts, key=counts.get, reverse=True)[:size])  # type: ignore[arg-type]
+        return set(sorted(counts, key=lambda k: counts[k], reverse=True)[:size])
 
     # ---- files ----
     def save(self, path: str) -> None:
@@ -72,3 +74,22 @@ class RoutingTrace:
         with open(path) as f:
             data = json.load(f)
         return cls(data["num_layers"], data["steps"])
+
+
+@dataclass(frozen=True)
+class TraceFile:
+    """A recorded routing trace's path (--routing-trace), loaded only by the parts that replay it."""
+
+    path: str | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.path)
+
+    def load(self, user: str) -> RoutingTrace:
+        """The trace, or a one-line error naming `user` (the policy that replays it) when it is missing."""
+        if not self.path or not os.path.isfile(self.path):
+            raise ValueError(
+                f"policy {user!r} replays a recorded routing trace: pass --routing-trace FILE "
+                "(record one with the resident policy on the same prompts)"
+            )
+        return RoutingTrace.load(self.path)

@@ -1,22 +1,24 @@
-"""OffloadSettings: every offload knob resolved once from an EngineConfig, the one input of offload setup.
+"""OffloadSettings: every offload knob resolved once from an EngineConfig, before the model loads.
 
-The expert cache size is resolved here, once, in slots of whole experts; budgets in GB are decimal
-(1 GB = 1e9 bytes), as `--link-gbps` and `hintserve simulate` count them. The simulator builds these
-settings directly, without an EngineConfig. To add a knob: a field here (with a default), read in
-`from_config`, used in setup.py.
+The policy is looked up and every name validated here, once; what depends on the checkpoint (the cache's
+slots, the expert's bytes) is sized from these settings by `cache_slots` once its geometry is known. Budgets
+in GB are decimal (1 GB = 1e9 bytes), as `--link-gbps` and `hintserve simulate` count them. The simulator
+builds these settings directly, without an EngineConfig. To add a knob: a field here (with a default), read
+in `from_config`, used by the assembler (offload/assembler.py) or the engine's parts (offload/setup.py).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-
-import torch
+from dataclasses import dataclass, field
 
 from services.engine.config import EngineConfig
-from services.engine.models.geometry import ExpertGeometry, expert_bytes, total_experts
+from services.engine.expert_format import DEFAULT_GROUP_SIZE
+from services.engine.models.geometry import ExpertGeometry, total_experts
 from services.engine.offload.cost_model import DEFAULT_HOST_RATIO
+from services.engine.offload.eviction import EVICTION_POLICIES
 from services.engine.offload.policies import OffloadPolicy, get_policy
+from services.engine.offload.routing_trace import TraceFile
 
 GB = 1e9  # bytes; one unit for cache budgets and link bandwidths everywhere
 DEFAULT_CACHE_FRACTION = 0.25
@@ -33,9 +35,8 @@ class PredictorSettings:
     engine_id: str | None = None  # None: generated
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> PredictorSettings | None:
+    def from_config(cls, config: EngineConfig, policy: OffloadPolicy) -> PredictorSettings | None:
         """None unless the policy has a "hints" prefetcher and a predictor (its own, or --predictor)."""
-        policy = get_policy(config.offload_policy)
         name = config.predictor or policy.predictor
         if "hints" not in policy.prefetchers or not name or name == "none":
             return None
@@ -48,61 +49,71 @@ class PredictorSettings:
 
 
 @dataclass(frozen=True)
+class CacheBudget:
+    """The device expert cache asked for: the first of these given wins (default: a quarter of all experts)."""
+
+    experts: int | None = None
+    bytes: int | None = None
+    fraction: float | None = None
+
+
+@dataclass(frozen=True)
 class OffloadSettings:
     policy: OffloadPolicy
-    slots: int  # device expert cache, in experts
-    expert_bytes: int
     eviction: str
     prefetch_distance: int  # MoE layers ahead the local prefetchers look
-    routing_trace: str | None = None  # recorded routing for the oracle / belady / static policies
+    routing_trace: TraceFile = TraceFile()  # recorded routing for the oracle / belady / static policies
     predictor: PredictorSettings | None = None  # None: hints prefetchers run without a predictor link
+    cache: CacheBudget = field(default_factory=CacheBudget)
+    expert_dtype: str = "auto"  # services/engine/expert_format.py
+    expert_group_size: int = DEFAULT_GROUP_SIZE
     device: str = "cpu"
     link: str = "emulated"  # emulated | native (CUDA copy engine)
     link_bytes_per_second: float | None = None  # emulated link; None: from link_ratio
     link_ratio: float = DEFAULT_LINK_RATIO  # emulated: one expert's transfer = R x one expert's compute
     host_ratio: float = DEFAULT_HOST_RATIO  # emulated host: one expert on the host = R x on the device
     host_threads: int = 1  # host expert executor worker threads
-    link_reference_bytes: int = 0  # the expert that R x compute moves: unquantized (bf16 under --expert-dtype)
+    max_tokens: int = 32  # sequences in one decode step at most: what a split expert is planned for
 
     @property
-    def cache_bytes(self) -> int:
-        return self.slots * self.expert_bytes
+    def offloads(self) -> bool:
+        return self.policy.name != "resident"
 
     @classmethod
-    def from_config(
-        cls, config: EngineConfig, spec: ExpertGeometry, dtype: torch.dtype, stored_bytes: int | None = None
-    ) -> OffloadSettings:
-        """`dtype`: the run dtype; `stored_bytes`: one expert as stored (packed int8/int4, bf16), which sets the
-        slot count; default unquantized in `dtype`."""
+    def from_config(cls, config: EngineConfig) -> OffloadSettings:
         policy = get_policy(config.offload_policy)
-        size = stored_bytes or expert_bytes(spec, dtype)
-        reference = expert_bytes(spec, dtype if config.expert_dtype == "auto" else torch.bfloat16)
-        if policy.name == "resident":
-            slots = total_experts(spec)
-        elif policy.pinned == "nothing":
-            slots = 0  # every expert computed on the host
-        else:
-            slots = resolve_slots(
-                spec, size, experts=config.expert_cache_experts,
-                cache_bytes=None if config.expert_cache_gb is None else int(config.expert_cache_gb * GB),
-                fraction=config.expert_cache_fraction,
-            )
+        eviction = config.eviction or policy.eviction
+        if eviction not in EVICTION_POLICIES:
+            raise ValueError(f"unknown eviction policy {eviction!r}; choose from: {', '.join(EVICTION_POLICIES)}")
         return cls(
             policy=policy,
-            slots=slots,
-            expert_bytes=size,
-            eviction=config.eviction or policy.eviction,
+            eviction=eviction,
             prefetch_distance=config.prefetch_distance or policy.prefetch_distance,
-            routing_trace=config.routing_trace,
-            predictor=PredictorSettings.from_config(config),
+            routing_trace=TraceFile(config.routing_trace),
+            predictor=PredictorSettings.from_config(config, policy),
+            cache=CacheBudget(
+                config.expert_cache_experts,
+                None if config.expert_cache_gb is None else int(config.expert_cache_gb * GB),
+                config.expert_cache_fraction,
+            ),
+            expert_dtype=config.expert_dtype,
+            expert_group_size=config.expert_group_size,
             device=config.device,
             link=config.link,
             link_bytes_per_second=None if config.link_gbps is None else config.link_gbps * GB,
             link_ratio=config.link_ratio or DEFAULT_LINK_RATIO,
             host_ratio=config.host_ratio or DEFAULT_HOST_RATIO,
             host_threads=config.host_threads or 1,
-            link_reference_bytes=reference,
+            max_tokens=config.max_num_seqs,
         )
+
+    def cache_slots(self, geometry: ExpertGeometry, expert_bytes: int) -> int:
+        """The device cache in whole experts of `expert_bytes` (as stored) each."""
+        if not self.offloads:
+            return total_experts(geometry)
+        if self.policy.pinned == "nothing":
+            return 0  # every expert computed on the host
+        return resolve_slots(geometry, expert_bytes, self.cache.experts, self.cache.bytes, self.cache.fraction)
 
 
 def resolve_slots(

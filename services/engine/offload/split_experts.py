@@ -14,9 +14,10 @@ import math
 
 import torch
 
+from services.engine.expert_format import ExpertLayout
 from services.engine.offload.cost_model import PlacementCosts
-from services.engine.offload.host_store import ExpertLayout
 from services.engine.offload.placement import CostPlacement, SplitPrices
+from services.engine.quant.layout import StoredLayout
 from services.engine.step_context import Phase, StepContext
 
 
@@ -64,7 +65,7 @@ def staging_slots(buffers: int, split: SplitPrices) -> int:
     return math.ceil(buffers * split.link - 1e-9)
 
 
-def layout_split_prices(layout: ExpertLayout) -> SplitPrices | None:
+def layout_split_prices(layout: StoredLayout) -> SplitPrices | None:
     """The engine's: the dense layout splits, a packed one (quant/layout.py) does not."""
     down = layout.numel - layout.gate_up_numel
     return split_prices((layout.gate_up_numel, down), type(layout) is ExpertLayout)
@@ -78,7 +79,7 @@ class DownStaging:
         self.shape = layout.down_shape
         numel = layout.numel - layout.gate_up_numel
         self.buffers = [torch.empty(numel, dtype=layout.dtype, device=device) for _ in range(capacity)]
-        self.fences: list[object | None] = [None] * capacity  # CUDA: compute done reading the buffer
+        self.fences: list[torch.cuda.Event | None] = [None] * capacity  # CUDA: compute done reading the buffer
         self._free = list(range(capacity - 1, -1, -1))
 
     @property
@@ -90,7 +91,7 @@ class DownStaging:
             raise RuntimeError(f"more split experts in one layer than {len(self.buffers)} staging buffers")
         return self._free.pop()
 
-    def release(self, index: int, fence: object | None) -> None:
+    def release(self, index: int, fence: torch.cuda.Event | None) -> None:
         self.fences[index] = fence
         self._free.append(index)
 

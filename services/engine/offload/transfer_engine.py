@@ -36,7 +36,7 @@ class Transfer:
     demand: bool
     priority: float
     target: tuple[int, int]  # (step, layer) it is needed by; a prefetch past it is stale
-    fence: object | None = None
+    fence: torch.cuda.Event | None = None
     state: TransferState = TransferState.QUEUED
     next_chunk: int = 0
     version: int = 0  # bumped on promotion; older heap entries are skipped
@@ -128,8 +128,9 @@ class TransferEngine:
                 transfer.state = TransferState.ACTIVE
                 dst, src = transfer.chunks[transfer.next_chunk]
                 demand = transfer.demand
+            # The fence guards the slot's old contents: the first chunk waits for it, the others follow that one.
             if transfer.fence is not None and transfer.next_chunk == 0:
-                self.link.copy(dst, src, transfer.fence, issued_at=transfer.issued_at)  # type: ignore[call-arg]
+                self.link.copy(dst, src, transfer.fence, issued_at=transfer.issued_at)
             else:
                 self.link.copy(dst, src, issued_at=transfer.issued_at)
             nbytes = src.numel() * src.element_size()

@@ -5,9 +5,11 @@ int8 layout (`--expert-dtype auto` keeps the checkpoint's bit width)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from services.engine.expert_format import nearest_group_size
 from services.engine.models.checkpoint import Checkpoint
 from services.engine.quant.awq import dequantize_awq
 from services.engine.quant.compressed_tensors import dequantize_compressed
@@ -33,12 +35,12 @@ class CheckpointQuant:
 
     @property
     def expert_group_size(self) -> int:
-        return self.group_size if self.group_size in (32, 64, 128) else 128
+        return nearest_group_size(self.group_size)
 
 
 def checkpoint_quant(quantization_config: dict | None, names: list[str]) -> CheckpointQuant | None:
     """The quantization a checkpoint declares in config.json (or, for FP8, carries in its tensor names)."""
-    qc = dict(quantization_config or {})
+    qc: dict[str, Any] = dict(quantization_config or {})
     method = str(qc.get("quant_method", "")).lower()
     if not method and any(n.endswith("weight_scale_inv") for n in names):
         method = "fp8"
@@ -55,7 +57,8 @@ def checkpoint_quant(quantization_config: dict | None, names: list[str]) -> Chec
     if method == "compressed-tensors":
         if qc.get("format") not in (None, "pack-quantized"):
             raise ValueError(f"compressed-tensors format {qc.get('format')!r} is not supported (pack-quantized is)")
-        weights = next(iter((qc.get("config_groups") or {}).values()), {}).get("weights") or {}
+        groups: dict[str, dict[str, Any]] = qc.get("config_groups") or {}
+        weights = next(iter(groups.values()), {}).get("weights") or {}
         return CheckpointQuant(method, int(weights.get("num_bits", 4)), int(weights.get("group_size") or 0))
     raise ValueError(f"checkpoint quantization {method!r} is not supported: use gptq, awq, compressed-tensors, fp8")
 

@@ -6,12 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
+from services.engine.expert_format import EXPERT_DTYPES, ExpertLayout
 from services.engine.expert_provider import ExpertWeights
-from services.engine.offload.host_store import ExpertLayout
+from services.engine.models.geometry import ExpertGeometry
+from services.engine.quant.checkpoint import CheckpointQuant
 from services.engine.quant.packed import PackedMatrix, QuantizedExpertWeights, QuantScheme, pack_matrix
 
-EXPERT_DTYPES = ("auto", "bf16", "int8", "int4")
-GROUP_SIZES = (32, 64, 128)
 _ALIGN = 64  # bytes: every piece (and every slot) starts on a cache line, so typed views are aligned
 
 
@@ -53,6 +53,10 @@ class QuantizedExpertLayout:
                 self.gate_up_numel = offset
         self.numel = offset
 
+    @property
+    def nbytes(self) -> int:
+        return self.numel  # uint8
+
     def pack(self, w: ExpertWeights, flat: torch.Tensor) -> None:
         """Quantizes a float expert into `flat` (which may live on the host)."""
         for name, matrix in (("gate_up", w.gate_up), ("down", w.down)):
@@ -74,10 +78,13 @@ class QuantizedExpertLayout:
                             qweight.view(flat), scales.view(flat), on_cpu=self.device.type == "cpu")
 
 
+StoredLayout = ExpertLayout | QuantizedExpertLayout  # one expert's flat buffer, dense or packed
+
+
 def expert_layout(
     hidden: int, intermediate: int, expert_dtype: str, group_size: int, run_dtype: torch.dtype,
     device: torch.device | str,
-) -> ExpertLayout | QuantizedExpertLayout:
+) -> StoredLayout:
     """The layout every copy of an expert uses: dense in the run dtype (auto) or bf16, or packed int8/int4."""
     if expert_dtype not in EXPERT_DTYPES:
         raise ValueError(f"unknown expert dtype {expert_dtype!r}: use {', '.join(EXPERT_DTYPES)}")
@@ -88,11 +95,13 @@ def expert_layout(
     return QuantizedExpertLayout(hidden, intermediate, QuantScheme(int(expert_dtype[3:]), group_size), device)
 
 
-def config_expert_layout(config, spec, run_dtype: torch.dtype, ckpt: object = None) -> ExpertLayout | QuantizedExpertLayout:
-    """The layout an EngineConfig's --expert-dtype / --expert-group-size ask for; `auto` on a quantized
-    checkpoint keeps its bit width (int4 for GPTQ/AWQ/int4 compressed-tensors, int8 for FP8) and group size."""
-    dtype, group = config.expert_dtype, config.expert_group_size
-    quant = getattr(ckpt, "quant", None)
-    if dtype == "auto" and quant is not None:
-        dtype, group = quant.expert_dtype, quant.expert_group_size
-    return expert_layout(spec.hidden_size, spec.moe_intermediate_size, dtype, group, run_dtype, config.device)
+def settings_expert_layout(
+    expert_dtype: str, group_size: int, geometry: ExpertGeometry, run_dtype: torch.dtype, device: str,
+    quant: CheckpointQuant | None = None,
+) -> StoredLayout:
+    """The layout --expert-dtype / --expert-group-size ask for; `auto` on a quantized checkpoint (`quant`)
+    keeps its bit width (int4 for GPTQ/AWQ/int4 compressed-tensors, int8 for FP8) and group size."""
+    if expert_dtype == "auto" and quant is not None:
+        expert_dtype, group_size = quant.expert_dtype, quant.expert_group_size
+    return expert_layout(geometry.hidden_size, geometry.moe_intermediate_size, expert_dtype, group_size,
+                         run_dtype, device)

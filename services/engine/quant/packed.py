@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.engine.cpu_kernels import formats
+from services.engine.expert_format import check_group_size
 from services.engine.quant.groupwise import quantize_int4, quantize_int8
 
 SCALE_DTYPE = torch.bfloat16  # what the kernels take (CUDA's int4 kernel accepts nothing else)
@@ -25,8 +26,7 @@ class QuantScheme:
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
             raise ValueError(f"quantized experts have 4 or 8 bits, got {self.bits}")
-        if self.group_size not in (32, 64, 128):
-            raise ValueError(f"expert group size must be 32, 64 or 128, got {self.group_size}")
+        check_group_size(self.group_size)
 
 
 @dataclass
@@ -63,6 +63,7 @@ def pack_matrix(w: torch.Tensor, scheme: QuantScheme, device: torch.device | str
     n, k = w.shape
     if device.type == "cpu":
         m = formats.pack(w, f"int{scheme.bits}", scheme.group_size)
+        assert m.scales is not None  # an integer format has its scales
         return PackedMatrix(scheme.bits, scheme.group_size, (n, k), m.weight, m.scales, on_cpu=True)
     if scheme.bits == 8:
         q, scale = quantize_int8(w)
@@ -78,6 +79,7 @@ def pack_int4(
     n, k = q.shape
     if device.type == "cpu":
         m = formats.from_int4(q, scale, zero, group_size)
+        assert m.scales is not None  # an integer format has its scales
         return PackedMatrix(4, group_size, (n, k), m.weight, m.scales, on_cpu=True)
     scales = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(device, SCALE_DTYPE)
     nibbles = (q[:, ::2] << 4 | q[:, 1::2]).to(device, torch.uint8)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Set as AbstractSet
 
 from services.engine.step_context import StepContext
 
@@ -13,6 +14,13 @@ class EvictionPolicy(ABC):
     """Told about accesses, inserts and evictions; asked to pick a victim among evictable slots."""
 
     name: str = ""
+    # A hot set the hybrid provider keeps filled (hot-set eviction); empty for the others. `reserved`: experts
+    # the whole budget's hot set would hold that the slots kept beside it (`reserve`) leave out.
+    hot: AbstractSet[Key] = frozenset()
+    reserved: AbstractSet[Key] = frozenset()
+
+    def reserve(self, slots: int) -> None:  # noqa: B027 - optional hook
+        """Keeps `slots` outside the hot set from the next step on (hot-set eviction only)."""
 
     def on_access(self, key: Key, ctx: StepContext) -> None:  # noqa: B027 - optional hook
         """The router asked for `key` (hit or miss)."""

@@ -51,6 +51,7 @@ class GuessTracker:
 
 class Prefetcher(ABC):
     name: str = ""
+    tracker: GuessTracker | None = None  # how often its guesses are then routed to; None: it keeps no count
 
     @abstractmethod
     def plan(self, layer: int, ctx: StepContext) -> list[PrefetchRequest]:
@@ -58,6 +59,9 @@ class Prefetcher(ABC):
 
     def on_step_end(self, ctx: StepContext) -> None:  # noqa: B027 - optional hook
         """The step's last layer has run (online statistics update here)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Stops its background work (the hint prefetcher's predictor link)."""
 
 
 def targets(layer: int, distance: int, moe_layers: tuple[bool, ...]) -> list[tuple[int, int, bool]]:

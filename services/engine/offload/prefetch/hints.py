@@ -67,7 +67,7 @@ class HintPrefetcher(Prefetcher):
         self._closers: list[Callable[[], None]] = []
         # Calibration: the predictor's probabilities are scaled so that, on average, they match how often
         # its hinted experts were then routed to (the eviction policy weighs a prefetch by them).
-        self.calibration = GuessTracker(precision=0.5, mean_probability=0.5)
+        self.tracker: GuessTracker = GuessTracker(precision=0.5, mean_probability=0.5)
 
     # ---- the link's side ----
     def submit(self, hints: Iterable[HintLike]) -> tuple[int, int, int]:
@@ -122,17 +122,17 @@ class HintPrefetcher(Prefetcher):
                         key = (target, expert, next_step)
                         miss[key] = miss.get(key, 1.0) * (1.0 - min(max(p, 0.0), 1.0))
                         hops_of[key] = hops
-        scale = self.calibration.precision / max(self.calibration.mean_probability, 1e-3)
+        scale = self.tracker.precision / max(self.tracker.mean_probability, 1e-3)
         requests = []
         for (t, e, n), q in miss.items():
             p = 1.0 - q
             if not n:
-                self.calibration.guess(t, e, p)
+                self.tracker.guess(t, e, p)
             requests.append(PrefetchRequest(t, e, p / hops_of[(t, e, n)], n, min(1.0, p * scale)))
         return requests
 
     def on_step_end(self, ctx: StepContext) -> None:
-        self.calibration.step_end(ctx)
+        self.tracker.step_end(ctx)
         with self._lock:
             for rid, it in zip(ctx.request_ids, ctx.iterations):
                 self._progress.pop(rid, None)

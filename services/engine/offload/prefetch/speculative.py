@@ -28,7 +28,7 @@ class SpeculativePrefetcher(Prefetcher):
         self.min_confidence = min_confidence
         # Precision of the guesses, measured against the router once the step has run: turns a guess into
         # the probability the eviction policy weighs it with.
-        self.tracker = GuessTracker(precision=0.8)
+        self.tracker: GuessTracker = GuessTracker(precision=0.8)
         self._targets: dict[int, list[tuple[int, int, bool]]] = {}  # layer -> targets(...), which never change
 
     def guess(self, layer: int, target: int, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +45,7 @@ class SpeculativePrefetcher(Prefetcher):
             plan = self._targets[layer] = targets(layer, self.distance, self.spec.moe_layers)
         # Per target: each expert's votes (tokens choosing it), mean score and best score, read back to
         # Python in one transfer; small-tensor ops and unique() cost more than the routers themselves.
-        rows = []
+        rows: list[torch.Tensor] = []
         for _, target, _ in plan:
             chosen, probs = self.guess(layer, target, ctx)
             votes = torch.bincount(chosen.flatten(), minlength=probs.shape[-1]).to(probs.dtype)

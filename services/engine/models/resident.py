@@ -1,0 +1,64 @@
+"""Every routed expert resident on the device: as read, or packed into the layout --expert-dtype asks for."""
+
+from __future__ import annotations
+
+import torch
+from tqdm import tqdm
+
+from services.engine.expert_format import ExpertLayout
+from services.engine.expert_provider import ExpertWeights, ResidentExpertProvider
+from services.engine.models.fused_moe import StackedExperts, grouped_mm_supported, stackable
+from services.engine.models.geometry import expert_bytes, total_experts
+from services.engine.models.native_moe import NativeExperts
+from services.engine.models.packed_linear import should_pack
+from services.engine.models.spec import ModelSpec
+from services.engine.models.weights import WeightReader, expert_loader
+from services.engine.quant.layout import StoredLayout
+from services.engine.quant.packed import QuantizedExpertWeights
+
+# Resident routed experts are prepacked for oneDNN (a second copy) only up to this many bytes in all: the demo
+# and test models gain 1.7-3x on their MoE GEMMs; a real checkpoint on the CPU should not double its memory.
+PACK_EXPERTS_MAX_BYTES = 1 << 30
+
+
+def load_resident_experts(
+    reader: WeightReader,
+    spec: ModelSpec,
+    layout: StoredLayout | None = None,
+    fused: bool = True,
+) -> ResidentExpertProvider:
+    """Every expert on the device, as read or (with a quantized `layout`) packed into one buffer each. On the
+    CPU with the native kernels built, each layer runs in one native call on the experts as they are; else
+    dense experts are stacked for the fused MoE path (the per-expert weights become views: one copy either way)."""
+    experts: list[list[ExpertWeights | QuantizedExpertWeights] | None] = []
+    stacks: list[StackedExperts | None] = []
+    natives: list[NativeExperts | None] = []
+    small = expert_bytes(spec, reader.dtype) * total_experts(spec) <= PACK_EXPERTS_MAX_BYTES
+    for layer in tqdm(range(spec.num_layers), desc="loading experts", unit="layer", leave=False, disable=None):
+        if not spec.moe_layers[layer]:
+            experts.append(None)
+            stacks.append(None)
+            natives.append(None)
+            continue
+        load = expert_loader(reader, spec, layer)
+        layer_experts = [_place(load(e, reader.device), layout, reader.device) for e in range(spec.num_experts)]
+        stacked = None
+        native = NativeExperts.build(layer_experts) if fused and str(reader.device) == "cpu" else None
+        natives.append(native)
+        if native is None and fused and stackable(layer_experts) and grouped_mm_supported(reader.device, layer_experts[0].gate_up.dtype):
+            pack = small and should_pack(str(reader.device), layer_experts[0].gate_up.dtype)
+            stacked = StackedExperts.stack(layer_experts, pack)
+            layer_experts = [stacked.expert(e) for e in range(spec.num_experts)]
+        experts.append(layer_experts)
+        stacks.append(stacked)
+    return ResidentExpertProvider(experts, stacks, natives)
+
+
+def _place(
+    w: ExpertWeights, layout: StoredLayout | None, device: torch.device | str
+) -> ExpertWeights | QuantizedExpertWeights:
+    if layout is None or (isinstance(layout, ExpertLayout) and layout.dtype == w.gate_up.dtype):
+        return w  # already in the form the layout asks for: no copy
+    flat = torch.empty(layout.numel, dtype=layout.dtype, device=device)
+    layout.pack(w, flat)
+    return layout.views(flat)
