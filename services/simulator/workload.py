@@ -100,8 +100,7 @@ class Workload:
         ctx.router_probs[layer] = _per_token(its, [it.probs[pos] for it in its])
         ctx.selected_experts[layer] = torch.cat([_token_choices(it, pos, self.spec.top_k) for it in its])
         if self.has_layer_inputs:
-            # layer_inputs: attached by predictor/traces.py to the records it loads, not a field of their type
-            inputs = [it.layer_inputs[:, pos] for it in its]  # type: ignore[attr-defined]
+            inputs = [it.layer_inputs[:, pos] for it in its]  # type: ignore[attr-defined]  # traces.py attaches it
             ctx.layer_inputs[layer] = torch.cat([torch.from_numpy(x.astype(np.float32)) for x in inputs])
         counts = sum(it.counts[pos] for it in its)
         return {int(e): int(counts[e]) for e in np.flatnonzero(counts > 0)}
