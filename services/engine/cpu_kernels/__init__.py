@@ -7,7 +7,7 @@ bandwidth (weight-only int8/int4) or paid a dozen small ops per expert and layer
 each cached key and value once, in place. The older fp32 expert kernels here (`moe_swiglu`, `expert_rows`) still
 serve stacked experts whose widths the newer ones do not take and the offload path's gather and scatter.
 
-The sources are compiled at first use with the system C compiler (`$CC`, else `cc`), -O3 -march=native, into
+The sources are compiled at first use with the system C compiler (`$CC`, else `cc`), -O3 -march=native -fno-math-errno, into
 a per-user cache keyed by the sources, flags and CPU; nothing to build at install time, no torch headers (a few
 seconds). Without a compiler, or with HINTSERVE_CPU_KERNELS=0, `library()` is None and callers keep torch's
 path. Callers use the kernels when torch runs one intra-op thread (`usable`): the pool then has the cores
@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("kernels.c", "threadpool.c", "matmul.c", "rows.c", "moe.c")]
 HEADERS = [Path(__file__).with_name("hs.h")]
-_FLAG_SETS = (["-O3", "-march=native"], ["-O3"])  # the second where the compiler knows no -march=native
+# The second where the compiler knows no -march=native. -fno-math-errno: lrintf inline, not a libm call per element.
+_FLAG_SETS = (["-O3", "-march=native", "-fno-math-errno"], ["-O3", "-fno-math-errno"])
 _ROWS = 8  # kernels.c's ROWS: tokens per expert GEMM pass
 _NT_ROWS = 4  # kernels.c's NT_ROWS: tokens per pass of expert_rows_f32
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p

@@ -14,6 +14,9 @@
  * (128, or 8 with the zero) is folded into one correction per activation row or group, computed once.
  * Widths: K a multiple of 64 (of the group for Q4), any N. */
 #include <math.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,7 +34,40 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 
 /* ---- activation preparation (once per call, O(M K)) ---- */
 
+#if defined(__AVX512F__)
+/* One block of quantize_row, 16 lanes at a time: the same operations in the same order (vcvtps2dq rounds to
+ * nearest even as lrintf does), so the same bits; the scalar loop took 2 ns an element, 9 us of a K = 4096 call. */
+static inline int32_t quantize_block16(const float *xb, int64_t block, int8_t *q, float *scale) {
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t i = 0; i < block; i += 16)
+        amax = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xb + i)), amax); /* NaN lanes keep amax, as fmaxf */
+    float m = _mm512_reduce_max_ps(amax);
+    *scale = m / 127.0f;
+    __m512 inv = _mm512_set1_ps(m > 0.0f ? 127.0f / m : 0.0f);
+    const __m512i hi = _mm512_set1_epi32(127), lo = _mm512_set1_epi32(-127);
+    __m512i sum = _mm512_setzero_si512();
+    for (int64_t i = 0; i < block; i += 16) {
+        __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + i), inv));
+        v = _mm512_max_epi32(_mm512_min_epi32(v, hi), lo);
+        _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtepi32_epi8(v));
+        sum = _mm512_add_epi32(sum, v);
+    }
+    return _mm512_reduce_add_epi32(sum);
+}
+#endif
+
 static void quantize_row(const float *x, int64_t K, int64_t block, int8_t *q, float *d, float *dsum) {
+#if defined(__AVX512F__)
+    if (block % 16 == 0) {
+        for (int64_t b = 0; b < K / block; b++) {
+            float scale;
+            int32_t sum = quantize_block16(x + b * block, block, q + b * block, &scale);
+            d[b] = scale;
+            dsum[b] = scale * (float)sum;
+        }
+        return;
+    }
+#endif
     for (int64_t b = 0; b < K / block; b++) {
         const float *xb = x + b * block;
         float amax = 0.0f;
