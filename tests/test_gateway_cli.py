@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
-import types
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,11 +27,6 @@ ADMIN_KEY = "admin-secret"
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HINTSERVE_API_KEYS", raising=False)
     monkeypatch.delenv("HINTSERVE_ADMIN_KEY", raising=False)
-    for name in cli._COMMAND_MODULES:  # other services' commands may not exist yet
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError:
-            monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(register=lambda subparsers: None))
 
 
 def _args(argv: list[str]) -> object:
