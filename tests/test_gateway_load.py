@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -10,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from services.engine.llm_engine import LLMEngine
 from services.gateway.engine_client import InProcessEngineClient
 from tests.test_gateway_support import (
     API_KEY,
@@ -44,6 +46,7 @@ async def _stream_chat(client: openai.AsyncOpenAI, max_tokens: int) -> tuple[str
         model=MODEL,
         messages=MESSAGES,
         max_tokens=max_tokens,
+        temperature=0.0,  # greedy: sampled, four tokens of the random model were sometimes all partial UTF-8 ("")
         stream=True,
         stream_options={"include_usage": True},
         extra_body={"ignore_eos": True},
@@ -155,10 +158,26 @@ async def test_client_disconnect_aborts_engine_request(tiny_mixtral_dir: str) ->
                 async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
                     await http.post("/v1/completions", json=long, headers=AUTH)
 
-            task = asyncio.create_task(post())
-            await wait_for(lambda: engine.stats()["kv_blocks_used"] > 0, what="request running in the engine")
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            # The core (a thread here) is held after the request's first step, so the client hangs up while the
+            # request is mid-generation by construction (it takes ~0.15 s, under the core's stats interval).
+            stepped, release = threading.Event(), threading.Event()
+            step = LLMEngine.step
+
+            def held_step(self: LLMEngine) -> list:
+                outputs = step(self)
+                if outputs and not release.is_set():
+                    stepped.set()
+                    release.wait(30)
+                return outputs
+
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(LLMEngine, "step", held_step)
+                task = asyncio.create_task(post())
+                await wait_for(stepped.is_set, what="request running in the engine")
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                await wait_for(lambda: gateway.pool.total_outstanding == 0, what="gateway gave the request up")
+                release.set()
             await wait_for(
                 lambda: engine.stats()["kv_blocks_used"] == 0 and aborted(engine) == 2,
                 what="non-streamed request aborted and its KV blocks freed",
