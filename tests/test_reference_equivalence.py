@@ -14,7 +14,7 @@ from services.engine.llm_engine import LLMEngine
 from services.engine.models.attention import AttentionMetadata
 from services.engine.models.loader import load_model
 from services.engine.models.router import route
-from services.engine.models.spec import spec_from_config
+from services.engine.models.spec import PLAIN_ROPE_FAMILIES, rope_inv_freq, spec_from_config
 from services.engine.sampling_params import SamplingParams
 from services.engine.step_context import Phase, StepContext
 from tests.tiny_models import FAMILIES, VOCAB, build_tiny_model, deepseek_config
@@ -135,3 +135,19 @@ def test_engine_keeps_every_row_while_a_step_observer_records(tiny_mixtral_dir: 
     engine.runner.step_observers.append(lambda ctx: seen.append(ctx.selected_experts[last_layer].shape[0]))
     engine.generate([_prompt(7, seed=1)], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     assert seen == [7, 1]  # the prefill's 7 rows routed in the last layer, then one decode row
+
+
+@pytest.mark.parametrize("family", sorted(PLAIN_ROPE_FAMILIES))
+@pytest.mark.parametrize("rope", [None, {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}])
+def test_rotary_frequencies_without_the_modeling_module_are_transformers(family: str, rope: dict | None) -> None:
+    """The plain families' frequencies, computed without importing their modeling code, are its bits."""
+    import importlib
+
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(family, hidden_size=256, num_attention_heads=4,
+                               **({"rope_parameters": rope} if rope else {}))
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    rotary = next(getattr(module, name) for name in dir(module) if name.endswith("RotaryEmbedding"))(cfg)
+    inv_freq, scaling = rope_inv_freq(cfg)
+    assert torch.equal(inv_freq, rotary.inv_freq.float()) and scaling == float(rotary.attention_scaling)
