@@ -240,6 +240,58 @@ INLINE void bf16_tile(const uint16_t *w, int64_t K, const uint16_t *const *x, in
 }
 #endif
 
+/* The float tiles at 256 bits, where the build has no 512-bit tile for the format: 16 vector registers hold NT x 3
+ * accumulators, so the tile's activation rows run 3 at a time, the NT weight rows (32 KB at K = 2048 fp32)
+ * read again from L1 or L2 for each 3. */
+#if defined(HAVE_AVX2) && !defined(__AVX512BF16__)
+#define AVX2_TILES 1
+INLINE void avx2_tile3(const char *w, int is_bf16, int64_t K, const float *const *x, int rr, float out[NT][MT]) {
+    int64_t row_bytes = K * (is_bf16 ? 2 : 4);
+    __m256 acc[NT][3];
+    for (int i = 0; i < NT; i++)
+        for (int r = 0; r < rr; r++)
+            acc[i][r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+        /* The 3 activation vectors held and each weight row's loaded in turn: 12 + 3 + 1 registers (holding
+         * the 4 weight vectors instead took 17, and an accumulator's store-load chain paced the loop). */
+        __m256 xv[3];
+        for (int r = 0; r < rr; r++)
+            xv[r] = _mm256_loadu_ps(x[r] + k);
+        for (int i = 0; i < NT; i++) {
+            __m256 wv = load8(w + i * row_bytes, is_bf16, k);
+            for (int r = 0; r < rr; r++)
+                acc[i][r] = _mm256_fmadd_ps(wv, xv[r], acc[i][r]);
+        }
+    }
+    for (int i = 0; i < NT; i++)
+        for (int r = 0; r < rr; r++)
+            out[i][r] = hsum8(acc[i][r]);
+}
+
+INLINE void avx2_tile(const char *w, int is_bf16, int64_t K, const float *const *x, int mm, float out[NT][MT]) {
+    for (int r0 = 0; r0 < mm; r0 += 3) {
+        float part[NT][MT];
+        int rr = mm - r0 < 3 ? mm - r0 : 3;
+        switch (rr) {
+        case 1: avx2_tile3(w, is_bf16, K, x + r0, 1, part); break;
+        case 2: avx2_tile3(w, is_bf16, K, x + r0, 2, part); break;
+        default: avx2_tile3(w, is_bf16, K, x + r0, 3, part); break;
+        }
+        for (int i = 0; i < NT; i++)
+            for (int r = 0; r < rr; r++)
+                out[i][r0 + r] = part[i][r];
+    }
+}
+#endif
+
+/* A tile's results to y (rows m.., columns n..). */
+INLINE void store_float_tile(float *y, int64_t ldy, int64_t m, int64_t n, int mm, float out[NT][MT],
+                             const float *bias) {
+    for (int i = 0; i < NT; i++)
+        for (int r = 0; r < mm; r++)
+            y[(m + r) * ldy + n + i] = out[i][r] + (bias ? bias[n + i] : 0.0f);
+}
+
 /* Weight rows [n0, n1) of a float format against M >= 2 activation rows, tiles where the build has them. */
 static void float_rows(const hs_matrix *W, const acts *a, const int64_t *rows, int64_t M, int64_t n0, int64_t n1,
                        float *y, int64_t ldy) {
@@ -268,9 +320,7 @@ static void float_rows(const hs_matrix *W, const acts *a, const int64_t *rows, i
                 case 5: F32_TILE(5); break;
                 default: F32_TILE(6); break;
                 }
-                for (int i = 0; i < NT; i++)
-                    for (int r = 0; r < mm; r++)
-                        y[(m + r) * ldy + n + i] = out[i][r] + (W->bias ? W->bias[n + i] : 0.0f);
+                store_float_tile(y, ldy, m, n, mm, out, W->bias);
             }
 #endif
 #if defined(__AVX512BF16__)
@@ -286,9 +336,19 @@ static void float_rows(const hs_matrix *W, const acts *a, const int64_t *rows, i
                 case 5: BF16_TILE(5); break;
                 default: BF16_TILE(6); break;
                 }
-                for (int i = 0; i < NT; i++)
-                    for (int r = 0; r < mm; r++)
-                        y[(m + r) * ldy + n + i] = out[i][r] + (W->bias ? W->bias[n + i] : 0.0f);
+                store_float_tile(y, ldy, m, n, mm, out, W->bias);
+            }
+#endif
+#if defined(AVX2_TILES)
+#if defined(HAVE_AVX512)
+        if (bf16) /* fp32 has its 512-bit tile above */
+#endif
+            for (; n + NT <= n1; n += NT) {
+                if (bf16)
+                    avx2_tile((const char *)W->w + n * K * 2, 1, K, xf, mm, out);
+                else
+                    avx2_tile((const char *)W->w + n * K * 4, 0, K, xf, mm, out);
+                store_float_tile(y, ldy, m, n, mm, out, W->bias);
             }
 #endif
         for (; n < n1; n++) { /* rows past the last whole tile, and builds without the tiles */
