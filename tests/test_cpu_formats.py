@@ -193,7 +193,7 @@ g = torch.Generator().manual_seed(2)
 for threads in (1, 2):
     assert cpu_kernels.set_threads(threads) == threads
     for fmt in ("fp32", "bf16", "int8", "int4"):
-        for group in ((64, 128) if fmt == "int4" else (64,)):
+        for group in ((32, 64, 128) if fmt == "int4" else (64,)):
             m = formats.pack(torch.randn(203, 256, generator=g) * 0.05, fmt, group, torch.randn(203, generator=g))
             for rows in (1, 3, 8, 9, 17):
                 x = torch.randn(rows + 2, 256, generator=g)[1:-1]
