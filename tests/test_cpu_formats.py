@@ -174,3 +174,75 @@ def test_the_portable_loops_compute_every_format_too(tmp_path) -> None:
 
     env = {**os.environ, "HINTSERVE_KERNEL_CACHE": str(tmp_path)}
     subprocess.run([sys.executable, "-c", _PORTABLE], check=True, timeout=300, env=env)
+
+
+_AVX2 = """
+import sys, torch, torch.nn.functional as F
+from services.engine import cpu_kernels
+from services.engine.cpu_kernels import formats
+isa = cpu_kernels.library().hs_isa().decode()
+assert isa == sys.argv[1], isa
+tolerance = {"fp32": 1e-5, "bf16": 5e-3, "int8": 1.5e-2, "int4": 1.5e-2}  # test_cpu_formats' TOLERANCE
+
+
+def error(y, ref):
+    return ((y - ref).abs().max() / ref.abs().max()).item()
+
+
+g = torch.Generator().manual_seed(2)
+for threads in (1, 2):
+    assert cpu_kernels.set_threads(threads) == threads
+    for fmt in ("fp32", "bf16", "int8", "int4"):
+        for group in ((32, 64, 128) if fmt == "int4" else (64,)):
+            m = formats.pack(torch.randn(203, 256, generator=g) * 0.05, fmt, group, torch.randn(203, generator=g))
+            for rows in (1, 3, 8, 9, 17):
+                x = torch.randn(rows + 2, 256, generator=g)[1:-1]
+                y, ref = formats.matmul(x, m), F.linear(x, formats.dequantize(m), m.bias)
+                assert y.shape == ref.shape and error(y, ref) < tolerance[fmt], (fmt, group, rows, threads)
+            # A single expert and a one-call MoE of several, both through hs_moe.
+            experts, hidden, inter, tokens = 4, 128, 256, 9
+            gate_up = [formats.pack(torch.randn(2 * inter, hidden, generator=g) * 0.1, fmt, group)
+                       for _ in range(experts)]
+            down = [formats.pack(torch.randn(hidden, inter, generator=g) * 0.1, fmt, group) for _ in range(experts)]
+            x = torch.randn(tokens, hidden, generator=g)
+
+            def swiglu(e, row):
+                gate, up = F.linear(row, formats.dequantize(gate_up[e])).chunk(2, dim=-1)
+                return F.linear(F.silu(gate) * up, formats.dequantize(down[e]))
+
+            assert error(formats.expert(x, gate_up[0], down[0]), swiglu(0, x)) < 2 * tolerance[fmt], (fmt, "expert")
+            ids = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(tokens)])
+            weights = torch.rand(tokens, 2, generator=g)
+            out = formats.moe(x, ids, weights, formats.native_array(gate_up), formats.native_array(down), hidden)
+            expected = torch.stack([sum(w * swiglu(e, x[t]) for e, w in zip(ids[t].tolist(), weights[t].tolist()))
+                                    for t in range(tokens)])
+            assert error(out, expected) < 2 * tolerance[fmt], (fmt, "moe", threads)
+"""
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+@pytest.mark.parametrize("flags, isa, needed", [
+    ("-mavx2 -mfma -mf16c -mno-avx512f", "avx2+fma", {"avx2", "fma", "f16c"}),
+    ("-mavx2 -mfma -mf16c -mavxvnni -mno-avx512f", "avx2+fma+avxvnni", {"avx2", "fma", "f16c", "avx_vnni"}),
+    # AVX-512 without VNNI and BF16 (Skylake-SP): its int8, int4 and bf16 run the AVX2 loops.
+    ("-march=skylake-avx512", "avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"}),
+], ids=["avx2", "avx2-avxvnni", "avx512-without-vnni"])
+def test_the_avx2_loops_compute_every_format(tmp_path, flags: str, isa: str, needed: set[str]) -> None:
+    """CPUs with AVX2 and FMA but no AVX-512 run rows.c's 256-bit loops (with AVX-VNNI's vpdpbusd where the CPU
+    has it): built so here with HINTSERVE_KERNEL_FLAGS and checked, every format, single expert and MoE."""
+    import os
+    import subprocess
+    import sys
+
+    if platform.machine() not in ("x86_64", "AMD64") or not needed <= _cpu_flags():
+        pytest.skip(f"this CPU lacks one of {sorted(needed)}")
+    env = {**os.environ, "HINTSERVE_KERNEL_CACHE": str(tmp_path),
+           "HINTSERVE_KERNEL_FLAGS": f"-O3 {flags} -fno-math-errno"}
+    subprocess.run([sys.executable, "-c", _AVX2, isa], check=True, timeout=300, env=env)

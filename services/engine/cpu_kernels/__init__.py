@@ -10,7 +10,8 @@ serve stacked experts whose widths the newer ones do not take and the offload pa
 The sources are compiled at first use with the system C compiler (`$CC`, else `cc`), -O3 -march=native -fno-math-errno, into
 a per-user cache keyed by the sources, flags and CPU; nothing to build at install time, no torch headers (a few
 seconds). Without a compiler, or with HINTSERVE_CPU_KERNELS=0, `library()` is None and callers keep torch's
-path. Callers use the kernels when torch runs one intra-op thread (`usable`): the pool then has the cores
+path. HINTSERVE_KERNEL_FLAGS (e.g. "-O3 -mavx2 -mfma -mno-avx512f -fno-math-errno") replaces the flags: to
+build and check the loops of another instruction set than this CPU's best. Callers use the kernels when torch runs one intra-op thread (`usable`): the pool then has the cores
 (`cpu_threads.apply_threads`).
 """
 
@@ -21,6 +22,7 @@ import functools
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -87,7 +89,9 @@ def library() -> ctypes.CDLL | None:
         log.warning("no C compiler found ($CC or cc): native CPU kernels off, torch's path runs instead")
         return None
     error = ""
-    for flags in _FLAG_SETS:
+    flag_sets = (shlex.split(os.environ["HINTSERVE_KERNEL_FLAGS"]),) if os.environ.get("HINTSERVE_KERNEL_FLAGS") \
+        else _FLAG_SETS
+    for flags in flag_sets:
         try:
             lib = ctypes.CDLL(str(_build(compiler, flags)))
             break

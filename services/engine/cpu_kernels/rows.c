@@ -18,6 +18,15 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define HAVE_VNNI512 1
 #endif
+/* AVX2 with FMA (Haswell on, Zen 1 on: most servers and laptops without AVX-512) has 256-bit loops below; an
+ * AVX-512 build without VNNI or BF16 takes them too for those formats. AVX-VNNI (Alder Lake, Zen 5) adds the
+ * 256-bit vpdpbusd. */
+#if defined(__AVX2__) && defined(__FMA__)
+#define HAVE_AVX2 1
+#endif
+#if defined(HAVE_AVX2) && defined(__AVXVNNI__)
+#define HAVE_AVXVNNI 1
+#endif
 
 #define INLINE static inline __attribute__((always_inline))
 /* How far ahead the lighter streams (int4, one-row bf16) prefetch: a DRAM latency's worth of bytes. At 1 KB
@@ -43,6 +52,55 @@ INLINE float portable_dot(const void *w, int is_bf16, const float *x, int64_t K)
         t += s[i];
     return t;
 }
+
+#if defined(HAVE_AVX2)
+INLINE float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* 8 bf16 widened to fp32: a bf16 is an fp32's high half, so a shift is exact. */
+INLINE __m256 bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+INLINE __m256 load8(const void *w, int is_bf16, int64_t k) {
+    return is_bf16 ? bf16x8((const uint16_t *)w + k) : _mm256_loadu_ps((const float *)w + k);
+}
+
+/* The float formats at 256 bits: fp32 activations against fp32 weights or bf16 ones widened (no bf16 dot
+ * product here, so the activations are not rounded; as the portable loop). */
+INLINE void avx2_dots(const void *w, int is_bf16, const acts *a, const int64_t *rows, int mm, int64_t K,
+                      float *out) {
+    __m256 acc[MB];
+    const float *x[MB];
+    for (int r = 0; r < mm; r++) {
+        acc[r] = _mm256_setzero_ps();
+        x[r] = a->f32 + rows[r] * a->ld;
+    }
+    if (mm == 1) { /* one row: four chains, so the FMA latency never paces the stream (K is a multiple of 64) */
+        __m256 a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+        for (int64_t k = 0; k < K; k += 32) {
+            if (is_bf16)
+                _mm_prefetch((const char *)((const uint16_t *)w + k) + 2 * PREFETCH_BYTES, _MM_HINT_T0);
+            acc[0] = _mm256_fmadd_ps(load8(w, is_bf16, k), _mm256_loadu_ps(x[0] + k), acc[0]);
+            a1 = _mm256_fmadd_ps(load8(w, is_bf16, k + 8), _mm256_loadu_ps(x[0] + k + 8), a1);
+            a2 = _mm256_fmadd_ps(load8(w, is_bf16, k + 16), _mm256_loadu_ps(x[0] + k + 16), a2);
+            a3 = _mm256_fmadd_ps(load8(w, is_bf16, k + 24), _mm256_loadu_ps(x[0] + k + 24), a3);
+        }
+        out[0] = hsum8(_mm256_add_ps(_mm256_add_ps(acc[0], a1), _mm256_add_ps(a2, a3)));
+        return;
+    }
+    for (int64_t k = 0; k < K; k += 8) {
+        __m256 wv = load8(w, is_bf16, k);
+        for (int r = 0; r < mm; r++)
+            acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x[r] + k), acc[r]);
+    }
+    for (int r = 0; r < mm; r++)
+        out[r] = hsum8(acc[r]);
+}
+#endif
 
 /* Calls body(mm) with mm a constant 1..MB for each block of activation rows. */
 #define ROWS_SWITCH(M, body)                                                                                     \
@@ -86,6 +144,8 @@ INLINE void f32_block(const float *w, const acts *a, const int64_t *rows, int mm
     }
     for (int r = 0; r < mm; r++)
         out[r] = _mm512_reduce_add_ps(acc[r]);
+#elif defined(HAVE_AVX2)
+    avx2_dots(w, 0, a, rows, mm, K, out);
 #else
     for (int r = 0; r < mm; r++)
         out[r] = portable_dot(w, 0, a->f32 + rows[r] * a->ld, K);
@@ -120,6 +180,8 @@ INLINE void bf16_block(const uint16_t *w, const acts *a, const int64_t *rows, in
     }
     for (int r = 0; r < mm; r++)
         out[r] = _mm512_reduce_add_ps(acc[r]);
+#elif defined(HAVE_AVX2)
+    avx2_dots(w, 1, a, rows, mm, K, out);
 #else
     for (int r = 0; r < mm; r++)
         out[r] = portable_dot(w, 1, a->f32 + rows[r] * a->ld, K);
@@ -178,6 +240,58 @@ INLINE void bf16_tile(const uint16_t *w, int64_t K, const uint16_t *const *x, in
 }
 #endif
 
+/* The float tiles at 256 bits, where the build has no 512-bit tile for the format: 16 vector registers hold NT x 3
+ * accumulators, so the tile's activation rows run 3 at a time, the NT weight rows (32 KB at K = 2048 fp32)
+ * read again from L1 or L2 for each 3. */
+#if defined(HAVE_AVX2) && !defined(__AVX512BF16__)
+#define AVX2_TILES 1
+INLINE void avx2_tile3(const char *w, int is_bf16, int64_t K, const float *const *x, int rr, float out[NT][MT]) {
+    int64_t row_bytes = K * (is_bf16 ? 2 : 4);
+    __m256 acc[NT][3];
+    for (int i = 0; i < NT; i++)
+        for (int r = 0; r < rr; r++)
+            acc[i][r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+        /* The 3 activation vectors held and each weight row's loaded in turn: 12 + 3 + 1 registers (holding
+         * the 4 weight vectors instead took 17, and an accumulator's store-load chain paced the loop). */
+        __m256 xv[3];
+        for (int r = 0; r < rr; r++)
+            xv[r] = _mm256_loadu_ps(x[r] + k);
+        for (int i = 0; i < NT; i++) {
+            __m256 wv = load8(w + i * row_bytes, is_bf16, k);
+            for (int r = 0; r < rr; r++)
+                acc[i][r] = _mm256_fmadd_ps(wv, xv[r], acc[i][r]);
+        }
+    }
+    for (int i = 0; i < NT; i++)
+        for (int r = 0; r < rr; r++)
+            out[i][r] = hsum8(acc[i][r]);
+}
+
+INLINE void avx2_tile(const char *w, int is_bf16, int64_t K, const float *const *x, int mm, float out[NT][MT]) {
+    for (int r0 = 0; r0 < mm; r0 += 3) {
+        float part[NT][MT];
+        int rr = mm - r0 < 3 ? mm - r0 : 3;
+        switch (rr) {
+        case 1: avx2_tile3(w, is_bf16, K, x + r0, 1, part); break;
+        case 2: avx2_tile3(w, is_bf16, K, x + r0, 2, part); break;
+        default: avx2_tile3(w, is_bf16, K, x + r0, 3, part); break;
+        }
+        for (int i = 0; i < NT; i++)
+            for (int r = 0; r < rr; r++)
+                out[i][r0 + r] = part[i][r];
+    }
+}
+#endif
+
+/* A tile's results to y (rows m.., columns n..). */
+INLINE void store_float_tile(float *y, int64_t ldy, int64_t m, int64_t n, int mm, float out[NT][MT],
+                             const float *bias) {
+    for (int i = 0; i < NT; i++)
+        for (int r = 0; r < mm; r++)
+            y[(m + r) * ldy + n + i] = out[i][r] + (bias ? bias[n + i] : 0.0f);
+}
+
 /* Weight rows [n0, n1) of a float format against M >= 2 activation rows, tiles where the build has them. */
 static void float_rows(const hs_matrix *W, const acts *a, const int64_t *rows, int64_t M, int64_t n0, int64_t n1,
                        float *y, int64_t ldy) {
@@ -206,9 +320,7 @@ static void float_rows(const hs_matrix *W, const acts *a, const int64_t *rows, i
                 case 5: F32_TILE(5); break;
                 default: F32_TILE(6); break;
                 }
-                for (int i = 0; i < NT; i++)
-                    for (int r = 0; r < mm; r++)
-                        y[(m + r) * ldy + n + i] = out[i][r] + (W->bias ? W->bias[n + i] : 0.0f);
+                store_float_tile(y, ldy, m, n, mm, out, W->bias);
             }
 #endif
 #if defined(__AVX512BF16__)
@@ -224,9 +336,19 @@ static void float_rows(const hs_matrix *W, const acts *a, const int64_t *rows, i
                 case 5: BF16_TILE(5); break;
                 default: BF16_TILE(6); break;
                 }
-                for (int i = 0; i < NT; i++)
-                    for (int r = 0; r < mm; r++)
-                        y[(m + r) * ldy + n + i] = out[i][r] + (W->bias ? W->bias[n + i] : 0.0f);
+                store_float_tile(y, ldy, m, n, mm, out, W->bias);
+            }
+#endif
+#if defined(AVX2_TILES)
+#if defined(HAVE_AVX512)
+        if (bf16) /* fp32 has its 512-bit tile above */
+#endif
+            for (; n + NT <= n1; n += NT) {
+                if (bf16)
+                    avx2_tile((const char *)W->w + n * K * 2, 1, K, xf, mm, out);
+                else
+                    avx2_tile((const char *)W->w + n * K * 4, 0, K, xf, mm, out);
+                store_float_tile(y, ldy, m, n, mm, out, W->bias);
             }
 #endif
         for (; n < n1; n++) { /* rows past the last whole tile, and builds without the tiles */
@@ -341,6 +463,148 @@ INLINE void q4_tile(const uint8_t *w, const uint16_t *sz, int64_t g, const acts 
     for (int r = 0; r < mm; r++)
         _mm512_mask_storeu_ps(y + r * ldy, keep, _mm512_add_ps(acc[r], add));
 }
+#elif defined(HAVE_AVX2)
+/* AVX2: a tile's 16 rows are two 256-bit vectors of 8 (rows 0-7, 8-15), 4 bytes a row, each lane's sum one
+ * row's. The weights of a block (1 KB int8, half that int4) are read from memory for the first activation row
+ * and from L1 for the others: 16 vector registers hold no accumulators for 8 rows x 16 weight rows. */
+INLINE __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* int8: one activation row's integer dot products with a tile's rows over inputs [k0, k1), rows 0-7 in *lo
+ * and 8-15 in *hi: the portable loop's integer sums exactly. */
+INLINE void q8_dots(const uint8_t *w, const int8_t *x, int64_t k0, int64_t k1, __m256i *lo, __m256i *hi) {
+#if defined(HAVE_AVXVNNI)
+    __m256i l0 = _mm256_setzero_si256(), h0 = l0, l1 = l0, h1 = l0; /* even and odd steps: two chains each */
+    for (int64_t k = k0; k < k1; k += 8) {
+        __m256i xe = bcast4(x + k), xo = bcast4(x + k + 4);
+        l0 = _mm256_dpbusd_avx_epi32(l0, _mm256_loadu_si256((const __m256i *)(w + k * TILE)), xe);
+        h0 = _mm256_dpbusd_avx_epi32(h0, _mm256_loadu_si256((const __m256i *)(w + k * TILE + 32)), xe);
+        l1 = _mm256_dpbusd_avx_epi32(l1, _mm256_loadu_si256((const __m256i *)(w + (k + 4) * TILE)), xo);
+        h1 = _mm256_dpbusd_avx_epi32(h1, _mm256_loadu_si256((const __m256i *)(w + (k + 4) * TILE + 32)), xo);
+    }
+    *lo = _mm256_add_epi32(l0, l1);
+    *hi = _mm256_add_epi32(h0, h1);
+#else
+    /* vpmaddubsw would add two products of up to 255 * 127 (the weights are q + 128) into an i16 and saturate
+     * at 32767. So the weights are widened to i16 (vpmovzxbw, 4 rows x 4 inputs a vector) and vpmaddwd sums
+     * pairs into i32: exact, at the price of four multiplies per 16 rows and 4 inputs instead of two. */
+    __m256i acc[4];
+    for (int j = 0; j < 4; j++)
+        acc[j] = _mm256_setzero_si256();
+    for (int64_t k = k0; k < k1; k += 4) {
+        int32_t v;
+        memcpy(&v, x + k, 4);
+        __m256i xv = _mm256_broadcastq_epi64(_mm_cvtepi8_epi16(_mm_cvtsi32_si128(v))); /* x0..x3 as i16, x4 */
+        for (int j = 0; j < 4; j++) {
+            __m256i wv = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + k * TILE + 16 * j)));
+            acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(wv, xv));
+        }
+    }
+    /* acc[j] holds rows 4j..4j+3, two partial sums each: (r, r, r+1, r+1 | r+2, r+2, r+3, r+3). vphaddd adds
+     * the pairs within 128-bit halves, leaving rows 0 1 4 5 | 2 3 6 7; the 64-bit permute puts them in order. */
+    *lo = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[0], acc[1]), 0xd8);
+    *hi = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[2], acc[3]), 0xd8);
+#endif
+}
+
+/* int4: the same over one group; bytes hold inputs t (low nibble) and 4 + t (high) of each 8. */
+INLINE void q4_dots(const uint8_t *w, const int8_t *x, int64_t k0, int64_t k1, __m256i *lo, __m256i *hi) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    __m256i l = _mm256_setzero_si256(), h = l;
+#if defined(HAVE_AVXVNNI)
+    __m256i l1 = l, h1 = l; /* low and high nibbles on two chains */
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
+    for (int64_t k = k0; k < k1; k += 8) {
+        __m256i p0 = _mm256_loadu_si256((const __m256i *)(w + k / 2 * TILE));
+        __m256i p1 = _mm256_loadu_si256((const __m256i *)(w + k / 2 * TILE + 32));
+        __m256i xa = bcast4(x + k), xb = bcast4(x + k + 4);
+        __m256i p0l = _mm256_and_si256(p0, low), p0h = _mm256_and_si256(_mm256_srli_epi16(p0, 4), low);
+        __m256i p1l = _mm256_and_si256(p1, low), p1h = _mm256_and_si256(_mm256_srli_epi16(p1, 4), low);
+#if defined(HAVE_AVXVNNI)
+        l = _mm256_dpbusd_avx_epi32(l, p0l, xa);
+        l1 = _mm256_dpbusd_avx_epi32(l1, p0h, xb);
+        h = _mm256_dpbusd_avx_epi32(h, p1l, xa);
+        h1 = _mm256_dpbusd_avx_epi32(h1, p1h, xb);
+#else
+        /* Nibbles (0..15) times int8: a vpmaddubsw pair is at most 2 * 15 * 127 and the low and high halves'
+         * pairs added 7620, exact in i16; vpmaddwd by ones then sums each row's two pairs into its i32 lane. */
+        l = _mm256_add_epi32(l, _mm256_madd_epi16(
+                                    _mm256_add_epi16(_mm256_maddubs_epi16(p0l, xa), _mm256_maddubs_epi16(p0h, xb)), ones));
+        h = _mm256_add_epi32(h, _mm256_madd_epi16(
+                                    _mm256_add_epi16(_mm256_maddubs_epi16(p1l, xa), _mm256_maddubs_epi16(p1h, xb)), ones));
+#endif
+    }
+#if defined(HAVE_AVXVNNI)
+    l = _mm256_add_epi32(l, l1);
+    h = _mm256_add_epi32(h, h1);
+#endif
+    *lo = l;
+    *hi = h;
+}
+
+/* The tile's float results (16 lanes, those past `valid` padding) to y. */
+INLINE void store_tile(float *y, const float *res, const float *mul, float sub, const float *bias, int valid) {
+    for (int i = 0; i < valid; i++)
+        y[i] = (mul ? mul[i] * (res[i] - sub) : res[i]) + (bias ? bias[i] : 0.0f);
+}
+
+INLINE void q8_tile(const uint8_t *w, const float *ws, const acts *a, const int64_t *rows, int mm, int64_t K,
+                    float *y, int64_t ldy, const float *bias, int valid) {
+    int64_t blocks = K / QB;
+    __m256 lo[MB], hi[MB];
+    for (int r = 0; r < mm; r++)
+        lo[r] = hi[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++)
+        for (int r = 0; r < mm; r++) {
+            __m256i dl, dh;
+            q8_dots(w, a->q + rows[r] * K, b * QB, (b + 1) * QB, &dl, &dh);
+            __m256 d = _mm256_set1_ps(a->d[rows[r] * blocks + b]);
+            lo[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dl), d, lo[r]);
+            hi[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dh), d, hi[r]);
+        }
+    for (int r = 0; r < mm; r++) {
+        float res[TILE];
+        _mm256_storeu_ps(res, lo[r]);
+        _mm256_storeu_ps(res + 8, hi[r]);
+        store_tile(y + r * ldy, res, ws, a->corr[rows[r]], bias, valid);
+    }
+}
+
+INLINE void q4_tile(const uint8_t *w, const uint16_t *sz, int64_t g, const acts *a, const int64_t *rows, int mm,
+                    int64_t K, float *y, int64_t ldy, const float *bias, int valid) {
+    int64_t G = K / g;
+    __m256 lo[MB], hi[MB];
+    for (int r = 0; r < mm; r++)
+        lo[r] = hi[r] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < G; j++) {
+        for (int64_t k = j * g; k < (j + 1) * g; k += 8)
+            _mm_prefetch((const char *)(w + k / 2 * TILE) + PREFETCH_BYTES, _MM_HINT_T0);
+        __m256 sl = bf16x8(sz + j * TILE), sh = bf16x8(sz + j * TILE + 8);
+        __m256 zl = bf16x8(sz + (G + j) * TILE), zh = bf16x8(sz + (G + j) * TILE + 8);
+        const __m256 eight = _mm256_set1_ps(8.0f);
+        zl = _mm256_fnmadd_ps(eight, sl, zl); /* the offset's and the zero's share, as the AVX-512 loop */
+        zh = _mm256_fnmadd_ps(eight, sh, zh);
+        for (int r = 0; r < mm; r++) {
+            int64_t at = rows[r] * G + j;
+            __m256i dl, dh;
+            q4_dots(w, a->q + rows[r] * K, j * g, (j + 1) * g, &dl, &dh);
+            __m256 d = _mm256_set1_ps(a->d[at]), ds = _mm256_set1_ps(a->dsum[at]);
+            lo[r] = _mm256_fmadd_ps(zl, ds, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dl), _mm256_mul_ps(sl, d), lo[r]));
+            hi[r] = _mm256_fmadd_ps(zh, ds, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dh), _mm256_mul_ps(sh, d), hi[r]));
+        }
+    }
+    for (int r = 0; r < mm; r++) {
+        float res[TILE];
+        _mm256_storeu_ps(res, lo[r]);
+        _mm256_storeu_ps(res + 8, hi[r]);
+        store_tile(y + r * ldy, res, NULL, 0.0f, bias, valid);
+    }
+}
 #else
 /* Portable loops over the same tiles. */
 INLINE void q8_tile(const uint8_t *w, const float *ws, const acts *a, const int64_t *rows, int mm, int64_t K,
@@ -427,11 +691,15 @@ const char *hs_isa(void) {
     return
 #if defined(HAVE_AVX512)
         "avx512"
+#elif defined(HAVE_AVX2)
+        "avx2+fma"
 #else
         "portable C"
 #endif
 #if defined(HAVE_VNNI512)
         "+vnni"
+#elif defined(HAVE_AVXVNNI)
+        "+avxvnni"
 #endif
 #if defined(__AVX512BF16__)
         "+bf16"
