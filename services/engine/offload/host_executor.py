@@ -14,10 +14,12 @@ a copy running beside it slows it). The thread that gathers the job holds itself
 the result over was 70-110 us late (measured).
 
 A layer's jobs are handed to the workers together (`flush`, called by the provider once the layer's host work
-is submitted): one queue put and one thread wake-up per worker and layer, not one per expert, and one signal back
-per worker and layer. Each worker is a plain thread on a C-level SimpleQueue, and a job is a slotted object, not
-a Future with a Condition of its own: the pool's per-job futures, work items and wake-ups cost ~70 us a layer
-(offload/host_path.py measures the path).
+is submitted): one wake-up per worker and layer, not one per expert, and one signal back per worker and layer.
+Each worker is a plain thread on a C-level SimpleQueue, and a job is a slotted object, not a Future with a
+Condition of its own. The thread that gathers a job not yet started runs it itself (and the others queued
+before it) rather than sleep until a worker has: it would only wait, and a worker's wake-up and the signal
+back cost tens of microseconds a layer (offload/host_path.py measures the path; the pool with a Future per
+job took ~50 us a layer at one token, this ~15).
 
 On CUDA the rows leave the device from the submitting thread, into pinned memory, on the compute stream before
 the layer's device experts are queued behind it (the worker only waits for that copy's event), and the output
@@ -30,6 +32,7 @@ import math
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -88,8 +91,9 @@ class HostExecutor:
         self._emulated_seconds = emulated_seconds
         # No torch.set_num_threads in the workers: it is process-wide, and set from a worker it left the
         # compute thread's small parallel ops (decode attention's softmax) taking milliseconds each.
-        self._inboxes: list[queue.SimpleQueue[list[tuple] | None]] = [queue.SimpleQueue() for _ in range(threads)]
-        self._finished: queue.SimpleQueue[None] = queue.SimpleQueue()  # one signal per batch a worker is done with
+        self._pending: deque[tuple] = deque()  # jobs handed over, not yet claimed (popleft claims one, atomically)
+        self._inboxes: list[queue.SimpleQueue[bool | None]] = [queue.SimpleQueue() for _ in range(threads)]
+        self._finished: queue.SimpleQueue[None] = queue.SimpleQueue()  # a worker found nothing left to claim
         self._workers = [threading.Thread(target=self._work, args=(inbox,), name=f"hintserve-host-{i}", daemon=True)
                          for i, inbox in enumerate(self._inboxes)]
         for worker in self._workers:
@@ -127,18 +131,20 @@ class HostExecutor:
         if not self._batch:
             return
         batch, self._batch = self._batch, []
-        while not self._finished.empty():  # signals of batches whose jobs are all done: no one needs them
+        while not self._finished.empty():  # signals of workers whose claimed jobs are all done: no one needs them
             self._finished.get_nowait()
-        if self.threads == 1:
-            self._inboxes[0].put(batch)
-            return
-        for i in range(min(self.threads, len(batch))):
-            self._inboxes[i].put(batch[i :: self.threads])
+        self._pending.extend(batch)
+        for inbox in self._inboxes[: len(batch)]:
+            inbox.put(True)
 
     def wait(self, job: HostJob) -> None:
-        """Until `job` is done (on the one thread that gathers the host's results)."""
+        """Until `job` is done, on the one thread that gathers the host's results: it runs the jobs no worker
+        has claimed yet, then sleeps until a worker is done with the rest."""
         while not job._done:
-            self._finished.get()  # some batch is done: perhaps this job's
+            try:
+                self._execute(self._pending.popleft())
+            except IndexError:
+                self._finished.get()  # a worker is done with what it claimed: perhaps this job
 
     def backlog_seconds(self) -> float:
         """Emulated work queued ahead of a job submitted now (0 on a real host: not tracked)."""
@@ -146,15 +152,23 @@ class HostExecutor:
         last = bus.last(HOST_LANE) if bus is not None else None
         return 0.0 if bus is None or last is None else max(0.0, bus.finish(last) - time.perf_counter())
 
-    def _work(self, inbox: queue.SimpleQueue[list[tuple] | None]) -> None:
-        while (batch := inbox.get()) is not None:
-            for job, *args in batch:
+    def _work(self, inbox: queue.SimpleQueue[bool | None]) -> None:
+        while inbox.get() is not None:
+            while True:
                 try:
-                    job._value = self._run(*args)
-                except BaseException as e:  # the MoE layer gathering it re-raises
-                    job._error = e
-                job._done = True
+                    item = self._pending.popleft()
+                except IndexError:
+                    break
+                self._execute(item)
             self._finished.put(None)
+
+    def _execute(self, item: tuple) -> None:
+        job, *args = item
+        try:
+            job._value = self._run(*args)
+        except BaseException as e:  # the MoE layer gathering it re-raises
+            job._error = e
+        job._done = True
 
     def _run(
         self, weights: StoredWeights, x: torch.Tensor, copied: torch.cuda.Event | None, device: torch.device,
