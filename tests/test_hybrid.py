@@ -440,6 +440,30 @@ def test_host_executor_leaves_the_compute_threads_as_they_were(monkeypatch) -> N
     assert calls == []
 
 
+def test_host_executor_hands_a_layer_over_at_once_and_returns_every_result_or_error() -> None:
+    """The layer's jobs go to the workers in one hand-off per worker; each result (or the error its math raised)
+    comes back to the gathering thread, in whatever order it gathers them, and shutdown ends the workers."""
+    from services.engine.expert_provider import ExpertWeights
+    from services.engine.models.moe import expert_forward
+    from services.engine.offload.host_executor import HostExecutor
+    from services.engine.offload.stats import OffloadStats
+
+    executor = HostExecutor(2, OffloadStats(1))
+    weights = ExpertWeights(torch.randn(16, 4), torch.randn(4, 8))
+    broken = ExpertWeights(torch.randn(16, 5), torch.randn(4, 8))  # the wrong width: its math raises
+    for _ in range(3):
+        xs = [torch.randn(n, 4) for n in (1, 2, 3, 4, 5)]
+        jobs = [executor.submit(weights, x) for x in xs]
+        failing = executor.submit(broken, torch.randn(1, 4))
+        executor.flush()
+        for x, job in reversed(list(zip(xs, jobs))):
+            assert torch.allclose(job.result(), expert_forward(x, weights), atol=1e-5)
+        with pytest.raises(RuntimeError):
+            failing.result()
+    executor.shutdown()
+    assert not any(worker.is_alive() for worker in executor._workers)
+
+
 def test_emulated_host_jobs_end_at_their_finish_on_one_virtual_clock() -> None:
     """A job is ready when the emulated host would have finished it, queued behind the jobs before it, and
     the thread gathering it gets it then, not a worker's wake-up later."""

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from services.engine.offload.memory_bus import MemoryBus, contended_seconds, emulated_dram, fair_rates
-from services.simulator.bound import Side, fewest_misses, misses_per_second, physical_bound, static_misses
+from services.simulator.offline_cache import fewest_misses, static_misses
 
 
 def test_fair_rates_meet_small_demands_and_share_the_rest() -> None:
@@ -71,16 +71,3 @@ def test_fewest_misses_is_the_offline_optimum(slots: int) -> None:
     # Never more than the best fixed placement, which starts with its experts resident but keeps them.
     hot_from_start = sum(map(sum, static_misses(steps, slots)))
     assert sum(map(sum, fewest_misses(steps, slots))) <= hot_from_start + len(set(seq))
-
-
-def test_physical_bound_takes_the_faster_of_transfer_only_and_hybrid() -> None:
-    # 10 GB of misses (1 GB each): link 25 GB/s (0.4 s) or host + link capped by the DRAM at 38.4 (0.26 s + sync).
-    link, host = Side(1 / 25, 1e9), Side(1 / 38.4, 1e9)
-    b = physical_bound(0.1, 10, 10e9, 100, 10, link, host, 38.4e9, 60e-6)
-    assert b.seconds == pytest.approx(10 / 38.4 + 100 * 60e-6)
-    assert b.tpot_ms == pytest.approx(b.seconds * 100)
-    assert physical_bound(0.1, 10, 10e9, 100, 10, link, None, 38.4e9, 60e-6).seconds == pytest.approx(0.4)
-    assert physical_bound(5.0, 10, 10e9, 100, 10, link, host, 38.4e9, 60e-6).seconds == pytest.approx(5.0)
-    # A link reading a quarter of the bytes per miss (packed experts) goes first on the shared DRAM.
-    packed = Side(1 / 100, 0.25e9)
-    assert misses_per_second(packed, host, 38.4e9) == pytest.approx(100 + (38.4 - 25) / 1.0)

@@ -132,3 +132,14 @@ def test_the_prefetch_gate_times_planning_on_the_simulated_clock(tmp_path) -> No
     assert gate is not None
     clock.now = 12.5
     assert gate.clock() == 12.5
+
+
+def test_the_simulated_host_path_is_the_engines_measured_one() -> None:
+    """HOST_PATH_S is the figure `hintserve bench offload` measured for the engine's host path at one token (a
+    shared two-core machine: within a factor of 1.5 of it)."""
+    import json
+    from pathlib import Path
+
+    saved = Path(__file__).resolve().parents[1] / "bench" / "results" / "offload_grid_one_dram.json"
+    measured = json.loads(saved.read_text())["host_path"]["1"]["host_path_s"]
+    assert measured / 1.5 <= HOST_PATH_S <= measured * 1.5

@@ -25,7 +25,8 @@ from services.engine.offload.memory_bus import emulated_dram
 from services.engine.offload.policies import get_policy
 from services.engine.offload.routing_trace import RoutingTrace
 from services.engine.sampling_params import SamplingParams
-from services.simulator.bound import Bound, Side, fewest_misses, physical_bound
+from services.simulator.bound import Bound, Side, Visits, physical_bound
+from services.simulator.offline_cache import fewest_misses
 
 
 @dataclass
@@ -213,12 +214,19 @@ def emulated_bound(
 ) -> Bound:
     """The bound of the measured run's decode (its steps after `measured_from`, the first of them its prefill),
     on the emulated link and host (their DRAM: memory_bus.emulated_dram), with every engine's cache of `slots`
-    empty before the warm-up run; the device time is the resident engine's."""
+    empty before the warm-up run. The device time is the resident engine's, spread evenly over each step's MoE
+    layers and counted as expert time one host expert could free entirely (what keeps it a bound without a
+    per-layer breakdown)."""
+    measured = steps[measured_from + 1 :]
     misses = fewest_misses(steps, slots)[measured_from + 1 :]
-    count = sum(map(sum, misses))
+    visits = Visits([], [], [], [])
+    for routed, missed in zip(measured, misses):
+        moe = [layer for layer, experts in enumerate(routed) if experts]
+        for layer in moe:
+            share = resident_tpot / len(moe)
+            visits.add(0.0, share, share, missed[layer])
     dram = emulated_dram(host.dram_bytes, host.seconds, link_rate)
-    return physical_bound(resident_tpot * decode_steps, count, count * link.dram_bytes,
-                          sum(1 for m in misses for n in m if n), decode_steps, link, host, dram, sync_seconds)
+    return physical_bound(visits, decode_steps, link, host, dram, sync_seconds)
 
 
 def _split(prompts: list[list[int]], batch: int) -> tuple[list[list[int]], list[list[int]]]:

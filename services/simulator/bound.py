@@ -1,79 +1,63 @@
 """The physical bound of a decode run: what no offload policy can beat on this hardware, cache and routing.
 
 Every routed expert the cache does not hold when its layer runs is read from the host's DRAM once: computed
-there, or copied over the link into a slot. The fewest such misses any placement of the cache can have is the
-optimal offline caching with bypass (Belady's rule: a miss evicts the resident expert used farthest ahead, or
-stays uncached when it is used later than all of them); a load counts like a host read, since both move one
-expert out of DRAM. Those bytes move at most at min(DRAM, host kernel rate + link rate) when the host computes
-misses, or at the link rate when it does not (misses_per_second: where the two sides read different bytes per
-miss, as the emulated host does for packed experts, the side that reads fewer goes first); the device's own work
-(the resident run) overlaps them at best:
+there, or copied over the link into a slot. The fewest such misses any placement of the cache can have, m_v for
+layer visit v (one layer of one step), is the optimal offline caching with bypass (offline_cache.fewest_misses).
+A miss is served one of two ways, and they are not alike in *when* they can run:
 
-    bound = min(max(D, B / link), max(D, B / min(DRAM, host + link)) + sync * L)
+- a link copy can be made at any time before its layer (a perfect placement knows the future), so the link's
+  work spreads over the whole run;
+- a host-computed miss needs its layer's input and the next layer waits for its result, so it runs inside its
+  own layer visit, after the layer's attention and beside its device experts, and adds the host path's sync.
 
-with D the decode time with every expert resident, B the missed bytes, L the layer visits with a miss and sync
-the engine's measured per-layer cost of handing jobs to the host and merging their results. Per layer the
-max would be tighter, but prefetches overlap a layer's misses with earlier layers' device time, so only the
-run-wide max is a bound.
+Both read the one DRAM (`dram` bytes/s between them). With h_v of visit v's misses on the host (a fraction
+counts: a split expert is part host, part link), the visit takes
+
+    t_v(h) = a_v + max(e_v - h * p_v, h * c_host) + sync * [h > 0]
+
+(a_v: attention, router and shared parts; e_v: its routed experts on the device; p_v: the most one of them
+takes there; c_host: one miss on the host, at most at the DRAM's rate), and during it the link moves at most
+cap_v(h) = min(t_v / c_link, (dram * t_v - h * b_host) / b_link) misses. The run needs
+
+    minimise  T = sum_v t_v(h_v) + F + w   subject to   sum_v (cap_v(h_v) - (m_v - h_v)) + r (F + w) >= 0
+
+with F the head and dense layers' time, w any time the device waits on the link, and r = min(1 / c_link,
+dram / b_link) the link's miss rate alone. Its Lagrangian dual, max over 0 <= lam <= 1/r of
+
+    L(lam) = sum_v min_{0<=h<=m_v} [t_v(h) - lam (cap_v(h) - (m_v - h))] + F (1 - lam r),
+
+is a lower bound on T for every lam (weak duality), with each visit's minimum exact (t and cap are piecewise
+linear in h: their breakpoints are the candidates). With no host (transfer-only) it is the device time plus the
+misses the link cannot hide behind it at the link's rate. What it leaves out, so it stays a bound: the link's
+slots (a prefetched expert needs room), copies before the decode run, and the device slowed by landing copies.
+The host computes misses only: a resident expert is many times faster on the device (splitting one with the
+host would save under 1% of a simulated Mixtral layer), and no policy does it.
 """
 
 from __future__ import annotations
 
-import heapq
-import math
 from dataclasses import dataclass
 
-from services.engine.offload.routing_trace import RoutingTrace
+import numpy as np
+
 from services.engine.step_context import Phase
 from services.simulator.hardware import CostModel
 from services.simulator.host import HOST_PATH_S
+from services.simulator.offline_cache import fewest_misses, static_misses
 from services.simulator.workload import Workload
 
 
 @dataclass(frozen=True)
 class Bound:
     seconds: float  # the decode run's
-    device_seconds: float  # D: every expert resident
-    miss_bytes: float  # B
-    miss_layers: int  # L
+    device_seconds: float  # every expert resident
+    miss_bytes: float
+    miss_layers: int  # layer visits with a miss
     steps: int
 
     @property
     def tpot_ms(self) -> float:
         return self.seconds * 1e3 / max(1, self.steps)
-
-
-def fewest_misses(steps: list[list[list[int]]], slots: int) -> list[list[int]]:
-    """Per step and layer, the misses of the optimal offline cache of `slots` experts with bypass, over the
-    routing `steps` ([step][layer] -> experts used), from an empty cache."""
-    seq = [(s, layer, e) for s, layers in enumerate(steps) for layer, experts in enumerate(layers) for e in experts]
-    next_use = [math.inf] * len(seq)
-    seen: dict[tuple[int, int], int] = {}
-    for i in range(len(seq) - 1, -1, -1):
-        key = seq[i][1:]
-        next_use[i] = seen.get(key, math.inf)
-        seen[key] = i
-    misses = [[0] * len(layers) for layers in steps]
-    cached: dict[tuple[int, int], float] = {}  # key -> its next use
-    farthest: list[tuple[float, tuple[int, int]]] = []  # (-next use, key), stale entries skipped
-    for i, (s, layer, e) in enumerate(seq):
-        key, nxt = (layer, e), next_use[i]
-        if key in cached:
-            cached[key] = nxt
-            heapq.heappush(farthest, (-nxt, key))
-            continue
-        misses[s][layer] += 1
-        if nxt == math.inf or slots <= 0:
-            continue  # never used again: computed where it lives, not cached
-        if len(cached) >= slots:
-            while cached.get(farthest[0][1]) != -farthest[0][0]:
-                heapq.heappop(farthest)
-            if -farthest[0][0] <= nxt:
-                continue  # every resident expert is needed sooner: bypass
-            del cached[heapq.heappop(farthest)[1]]
-        cached[key] = nxt
-        heapq.heappush(farthest, (-nxt, key))
-    return misses
 
 
 @dataclass(frozen=True)
@@ -84,39 +68,64 @@ class Side:
     dram_bytes: float
 
 
-def misses_per_second(link: Side, host: Side | None, dram: float) -> float:
-    """The most misses per second the link and the host together serve with `dram` bytes/s between them: each
-    side at most at its own rate, the side that reads fewer bytes per miss first (the optimum of that linear
-    program); host None: the link alone."""
-    left, rate = dram, 0.0
-    for side in sorted([link] + ([host] if host is not None else []), key=lambda s: s.dram_bytes):
-        take = min(1.0 / side.seconds, left / side.dram_bytes)
-        rate += take
-        left -= take * side.dram_bytes
-    return rate
+@dataclass
+class Visits:
+    """The decode run's MoE layer visits, one entry each (see the module's docstring for the symbols)."""
+
+    fixed: list[float]  # a_v
+    experts: list[float]  # e_v
+    per_expert: list[float]  # p_v
+    misses: list[int]  # m_v
+    free_seconds: float = 0.0  # F: the head and the dense layers
+
+    def add(self, fixed: float, experts: float, per_expert: float, misses: int) -> None:
+        self.fixed.append(fixed)
+        self.experts.append(experts)
+        self.per_expert.append(per_expert)
+        self.misses.append(misses)
 
 
-def physical_bound(
-    device_seconds: float, misses: int, miss_bytes: float, miss_layers: int, steps: int, link: Side,
-    host: Side | None, dram: float, sync_seconds: float,
-) -> Bound:
-    """max(device, misses at the link's rate), or with the host beside it, at both sides' rate on the shared DRAM
-    plus the host path's sync per layer visit with a miss; whichever is faster. `host` None: nothing computed
-    on the host in this configuration."""
-    best = max(device_seconds, misses / misses_per_second(link, None, dram))
+def physical_bound(visits: Visits, steps: int, link: Side, host: Side | None, dram: float, sync: float) -> Bound:
+    """The dual bound of the module's docstring; `host` None: nothing computed on the host."""
+    a, e, p = (np.asarray(x, dtype=float) for x in (visits.fixed, visits.experts, visits.per_expert))
+    m = np.asarray(visits.misses, dtype=float)
+    rate = min(1 / link.seconds, dram / link.dram_bytes)
+    c_host = max(host.seconds, host.dram_bytes / dram) if host is not None else 0.0
+    b_host = host.dram_bytes if host is not None else 0.0
+
+    def time(h: np.ndarray) -> np.ndarray:
+        return a + np.maximum(e - h * p, h * c_host) + sync * (h > 0)
+
+    def surplus(h: np.ndarray) -> np.ndarray:
+        t = time(h)
+        return np.minimum(t / link.seconds, (dram * t - h * b_host) / link.dram_bytes) - (m - h)
+
+    candidates = [np.zeros_like(m)]
     if host is not None:
-        hybrid = max(device_seconds, misses / misses_per_second(link, host, dram)) + sync_seconds * miss_layers
-        best = min(best, hybrid)
-    return Bound(best, device_seconds, miss_bytes, miss_layers, steps)
+        slope = 1 / link.seconds - dram / link.dram_bytes  # of cap's two terms' difference in t
+        for start, grow in ((a + e + sync, -p), (a + sync, np.full_like(m, c_host))):  # t's two pieces
+            with np.errstate(divide="ignore", invalid="ignore"):
+                candidates.append(np.nan_to_num(-start * slope / (grow * slope + b_host / link.dram_bytes)))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            candidates.append(np.nan_to_num(e / (p + c_host)))  # where the host's time overtakes the device's
+        candidates.append(m)
+    hs = [np.clip(h, 0, m) for h in candidates]
+    times, surpluses = [time(h) for h in hs], [surplus(h) for h in hs]
 
+    def dual(lam: float) -> float:
+        best = np.min([t - lam * s for t, s in zip(times, surpluses)], axis=0)
+        return float(best.sum() + visits.free_seconds * (1 - lam * rate))
 
-def static_misses(steps: list[list[list[int]]], slots: int) -> list[list[int]]:
-    """Per step and layer, the misses of the best fixed placement: the `slots` experts the run uses most,
-    resident from the start (KTransformers' hot set, measured on the run itself). Not a bound: a cache that
-    follows the traffic can beat it; it is the figure a static placement could reach."""
-    hot = RoutingTrace(len(steps[0]) if steps else 0, steps).hot_set(slots)
-    return [[sum(1 for e in experts if (layer, e) not in hot) for layer, experts in enumerate(layers)]
-            for layers in steps]
+    lo, hi = 0.0, 1 / rate  # L is concave in lam: golden-section search, keeping the best value seen
+    best = max(dual(lo), dual(hi))
+    for _ in range(80):
+        m1, m2 = lo + 0.382 * (hi - lo), hi - 0.382 * (hi - lo)
+        d1, d2 = dual(m1), dual(m2)
+        best = max(best, d1, d2)
+        lo, hi = (lo, m2) if d1 >= d2 else (m1, hi)
+    device = float((a + e).sum()) + visits.free_seconds
+    count = float(m.sum())
+    return Bound(best, device, count * link.dram_bytes, int((m > 0).sum()), steps)
 
 
 def simulated_bounds(
@@ -128,23 +137,24 @@ def simulated_bounds(
     spec = workload.spec
     steps = workload.routing_trace().steps
     counted = [s for s in workload.steps if s.phase is Phase.DECODE and s.index >= warmup_steps]
-    device = 0.0
-    for step in counted:
-        ctx, shape = workload.context(step), step.shape
-        device += cost.head_seconds(shape)
-        for layer in range(spec.num_layers):
-            device += cost.layer_seconds(layer, shape)
-            if spec.moe_layers[layer]:
-                device += sum(cost.expert_seconds(n) for n in workload.route(step, layer, ctx).values())
     size = spec.expert_bytes
     link, host = Side(size / cost.link_bytes_per_second, size), Side(cost.host_expert_seconds(1), size)
     dram = cost.dram_bytes_per_second(size)
 
     def bound(misses: list[list[int]] | None) -> Bound:
-        per_step = [misses[s.index] if misses is not None else [] for s in counted]
-        count = sum(sum(m) for m in per_step)
-        miss_layers = sum(1 for m in per_step for n in m if n)
-        return physical_bound(device, count, count * size, miss_layers, len(counted), link, host, dram, HOST_PATH_S)
+        visits = Visits([], [], [], [])
+        for step in counted:
+            ctx, shape = workload.context(step), step.shape
+            visits.free_seconds += cost.head_seconds(shape)
+            for layer in range(spec.num_layers):
+                fixed = cost.layer_seconds(layer, shape)
+                if not spec.moe_layers[layer]:
+                    visits.free_seconds += fixed
+                    continue
+                experts = [cost.expert_seconds(n) for n in workload.route(step, layer, ctx).values()]
+                missed = misses[step.index][layer] if misses is not None else 0
+                visits.add(fixed, sum(experts), max(experts, default=0.0), missed)
+        return physical_bound(visits, len(counted), link, host, dram, HOST_PATH_S)
 
     if slots is None:
         return bound(None), bound(None)

@@ -28,6 +28,12 @@ def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.
 def expert_forward(x: torch.Tensor, w: ExpertWeights | QuantizedExpertWeights) -> torch.Tensor:
     """One routed expert on the tokens routed to it: the single entry point every executor calls."""
     if cpu_kernels.usable(x):
+        if native_expert(w) and cpu_kernels.widths_supported(x.shape[1]) and x.is_contiguous():
+            # The kernel the device path's fused add runs (moe_forward), here into rows of its own: torch's
+            # two linears and silu cost ~10 us more per call on a small expert (a host job's, offload/host_path.py).
+            out = torch.empty(x.shape[0], w.down.shape[0])
+            cpu_kernels.expert_rows(x, w.gate_up, w.down, out, x.shape[0])
+            return out
         gate_up, down = formats.as_cpu_matrix(w.gate_up), formats.as_cpu_matrix(w.down)
         if gate_up is not None and down is not None and gate_up.format == down.format:
             return formats.expert(x, gate_up, down)  # any CPU format, on the kernels' pool

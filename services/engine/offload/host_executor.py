@@ -14,7 +14,12 @@ a copy running beside it slows it). The thread that gathers the job holds itself
 the result over was 70-110 us late (measured).
 
 A layer's jobs are handed to the workers together (`flush`, called by the provider once the layer's host work
-is submitted): one thread wake-up per layer, not one per expert.
+is submitted): one wake-up per worker and layer, not one per expert, and one signal back per worker and layer.
+Each worker is a plain thread on a C-level SimpleQueue, and a job is a slotted object, not a Future with a
+Condition of its own. The thread that gathers a job not yet started runs it itself (and the others queued
+before it) rather than sleep until a worker has: it would only wait, and a worker's wake-up and the signal
+back cost tens of microseconds a layer (offload/host_path.py measures the path; the pool with a Future per
+job took ~50 us a layer at one token, this ~15).
 
 On CUDA the rows leave the device from the submitting thread, into pinned memory, on the compute stream before
 the layer's device experts are queued behind it (the worker only waits for that copy's event), and the output
@@ -24,9 +29,11 @@ goes back from pinned memory without a host sync on the compute thread.
 from __future__ import annotations
 
 import math
+import queue
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -40,10 +47,12 @@ from services.engine.offload.stats import OffloadStats
 class HostJob:
     """One host expert's output: there once its math is done and, emulated, its host time has passed."""
 
-    __slots__ = ("_future", "_executor", "_bus_job")
+    __slots__ = ("_value", "_error", "_done", "_executor", "_bus_job")
 
     def __init__(self, executor: HostExecutor, bus_job: BusJob | None) -> None:
-        self._future: Future[torch.Tensor] = Future()
+        self._value: torch.Tensor | None = None
+        self._error: BaseException | None = None
+        self._done = False  # set by the worker after _value or _error
         self._executor = executor
         self._bus_job = bus_job  # emulated: its share of the DRAM; None on a real host
 
@@ -56,10 +65,13 @@ class HostJob:
 
     def result(self) -> torch.Tensor:
         self._executor.flush()  # gathered before its layer's hand-off (no provider flushed): hand it off now
-        y = self._future.result()
+        self._executor.wait(self)
+        if self._error is not None:
+            raise self._error
         if self._bus_job is not None:
             hold_until_settled(lambda: self.ready_at)
-        return y
+        assert self._value is not None  # done without an error
+        return self._value
 
 
 class HostExecutor:
@@ -79,7 +91,13 @@ class HostExecutor:
         self._emulated_seconds = emulated_seconds
         # No torch.set_num_threads in the workers: it is process-wide, and set from a worker it left the
         # compute thread's small parallel ops (decode attention's softmax) taking milliseconds each.
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="hintserve-host")
+        self._pending: deque[tuple] = deque()  # jobs handed over, not yet claimed (popleft claims one, atomically)
+        self._inboxes: list[queue.SimpleQueue[bool | None]] = [queue.SimpleQueue() for _ in range(threads)]
+        self._finished: queue.SimpleQueue[None] = queue.SimpleQueue()  # a worker found nothing left to claim
+        self._workers = [threading.Thread(target=self._work, args=(inbox,), name=f"hintserve-host-{i}", daemon=True)
+                         for i, inbox in enumerate(self._inboxes)]
+        for worker in self._workers:
+            worker.start()
         self._batch: list[tuple] = []  # this layer's jobs, handed to the workers together by flush()
 
     def submit(
@@ -113,8 +131,20 @@ class HostExecutor:
         if not self._batch:
             return
         batch, self._batch = self._batch, []
-        for i in range(min(self.threads, len(batch))):
-            self._pool.submit(self._run_batch, batch[i :: self.threads])
+        while not self._finished.empty():  # signals of workers whose claimed jobs are all done: no one needs them
+            self._finished.get_nowait()
+        self._pending.extend(batch)
+        for inbox in self._inboxes[: len(batch)]:
+            inbox.put(True)
+
+    def wait(self, job: HostJob) -> None:
+        """Until `job` is done, on the one thread that gathers the host's results: it runs the jobs no worker
+        has claimed yet, then sleeps until a worker is done with the rest."""
+        while not job._done:
+            try:
+                self._execute(self._pending.popleft())
+            except IndexError:
+                self._finished.get()  # a worker is done with what it claimed: perhaps this job
 
     def backlog_seconds(self) -> float:
         """Emulated work queued ahead of a job submitted now (0 on a real host: not tracked)."""
@@ -122,12 +152,23 @@ class HostExecutor:
         last = bus.last(HOST_LANE) if bus is not None else None
         return 0.0 if bus is None or last is None else max(0.0, bus.finish(last) - time.perf_counter())
 
-    def _run_batch(self, batch: list[tuple]) -> None:
-        for job, *args in batch:
-            try:
-                job._future.set_result(self._run(*args))
-            except BaseException as e:  # the MoE layer gathering it re-raises
-                job._future.set_exception(e)
+    def _work(self, inbox: queue.SimpleQueue[bool | None]) -> None:
+        while inbox.get() is not None:
+            while True:
+                try:
+                    item = self._pending.popleft()
+                except IndexError:
+                    break
+                self._execute(item)
+            self._finished.put(None)
+
+    def _execute(self, item: tuple) -> None:
+        job, *args = item
+        try:
+            job._value = self._run(*args)
+        except BaseException as e:  # the MoE layer gathering it re-raises
+            job._error = e
+        job._done = True
 
     def _run(
         self, weights: StoredWeights, x: torch.Tensor, copied: torch.cuda.Event | None, device: torch.device,
@@ -151,4 +192,8 @@ class HostExecutor:
         return y.pin_memory().to(device, non_blocking=True)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=True)
+        self.flush()
+        for inbox in self._inboxes:
+            inbox.put(None)
+        for worker in self._workers:
+            worker.join()
