@@ -196,6 +196,17 @@ INLINE void bf16_block(const uint16_t *w, const acts *a, const int64_t *rows, in
 #define NT 4
 #define MT 6
 
+/* Calls tile(c) with c the constant equal to mm (1..MT), so the tile's accumulators stay in registers. */
+#define TILE_SWITCH(mm, tile)                                                                                    \
+    switch (mm) {                                                                                              \
+    case 1: tile(1); break;                                                                                    \
+    case 2: tile(2); break;                                                                                    \
+    case 3: tile(3); break;                                                                                    \
+    case 4: tile(4); break;                                                                                    \
+    case 5: tile(5); break;                                                                                    \
+    default: tile(6); break;                                                                                   \
+    }
+
 #if defined(HAVE_AVX512)
 INLINE void f32_tile(const float *w, int64_t K, const float *const *x, int mm, float out[NT][MT]) {
     __m512 acc[NT][MT];
@@ -312,14 +323,7 @@ static void float_rows(const hs_matrix *W, const acts *a, const int64_t *rows, i
             for (; n + NT <= n1; n += NT) {
                 const float *w = (const float *)W->w + n * K;
 #define F32_TILE(c) f32_tile(w, K, xf, c, out)
-                switch (mm) {
-                case 1: F32_TILE(1); break;
-                case 2: F32_TILE(2); break;
-                case 3: F32_TILE(3); break;
-                case 4: F32_TILE(4); break;
-                case 5: F32_TILE(5); break;
-                default: F32_TILE(6); break;
-                }
+                TILE_SWITCH(mm, F32_TILE)
                 store_float_tile(y, ldy, m, n, mm, out, W->bias);
             }
 #endif
@@ -328,14 +332,7 @@ static void float_rows(const hs_matrix *W, const acts *a, const int64_t *rows, i
             for (; n + NT <= n1; n += NT) {
                 const uint16_t *w = (const uint16_t *)W->w + n * K;
 #define BF16_TILE(c) bf16_tile(w, K, xh, c, out)
-                switch (mm) {
-                case 1: BF16_TILE(1); break;
-                case 2: BF16_TILE(2); break;
-                case 3: BF16_TILE(3); break;
-                case 4: BF16_TILE(4); break;
-                case 5: BF16_TILE(5); break;
-                default: BF16_TILE(6); break;
-                }
+                TILE_SWITCH(mm, BF16_TILE)
                 store_float_tile(y, ldy, m, n, mm, out, W->bias);
             }
 #endif
