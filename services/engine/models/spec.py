@@ -205,22 +205,22 @@ def _yarn_mscale_squared(rope: dict) -> float:
     return mscale * mscale
 
 
-# Families whose rotary embedding, at rope_type "default", is the original RoPE over head_dim (or hidden /
-# heads): computed here, not by importing the family's modeling module (1.7 s and 127 MB of resident
-# interpreter: ~1500 modules, scipy and dynamo among them, a tenth of an int4 Qwen3-shape model's peak RSS).
+# Families whose rotary embedding is the original RoPE over head_dim (or hidden / heads) at rope_type "default",
+# else transformers' ROPE_INIT_FUNCTIONS: computed here, not by importing the family's modeling module (1.7 s
+# and 127 MB of resident interpreter: ~1500 modules, scipy and dynamo among them, a tenth of an int4
+# Qwen3-shape model's peak RSS).
 PLAIN_ROPE_FAMILIES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "olmoe"})
 
 
 def rope_inv_freq(cfg: PretrainedConfig) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and scaling exactly as the family's transformers rotary embedding computes them."""
-    rope = getattr(cfg, "rope_parameters", None) or {}
-    rope_type = rope.get("rope_type", "default")
-    if rope_type != "default":
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg)
-        return inv_freq.float().clone(), float(scaling)
     if cfg.model_type in PLAIN_ROPE_FAMILIES:
+        rope = cfg.rope_parameters
+        if rope.get("rope_type", "default") != "default":  # what their rotary embedding calls then
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](cfg)
+            return inv_freq.float().clone(), float(scaling)
         dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         return 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
     import importlib
