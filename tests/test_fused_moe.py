@@ -91,3 +91,26 @@ def test_packed_groups_padding_would_grow_much_run_as_a_bucket_and_the_rest(monk
         gate, up = (rows[start:end] @ w.gate_up.t()).chunk(2, dim=-1)
         torch.testing.assert_close(got[start:end], (torch.nn.functional.silu(gate) * up) @ w.down.t(),
                                    atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_a_large_fp32_expert_runs_on_the_kernels_pool(monkeypatch, rows: int) -> None:
+    """At Qwen3-30B-A3B's expert size the single-threaded expert_rows streamed half the two-thread probe: a
+    large fp32 expert goes to the pool's one-call kernel instead, with the same result as torch's."""
+    from services.engine import cpu_kernels
+    from services.engine.models import moe
+
+    if cpu_kernels.library() is None:
+        pytest.skip("native CPU kernels not built")
+    gen = torch.Generator().manual_seed(0)
+    hidden, width = 1024, 512  # 2 * 512 * 1024 gate/up weights: the pooled size
+    assert 2 * width * hidden >= moe.POOLED_EXPERT_PARAMS
+    w = ExpertWeights(torch.randn(2 * width, hidden, generator=gen) / hidden**0.5,
+                      torch.randn(hidden, width, generator=gen) / width**0.5)
+    x = torch.randn(rows, hidden, generator=gen)
+
+    def single_threaded(*args, **kwargs):
+        raise AssertionError("a large expert ran on expert_rows")
+
+    monkeypatch.setattr(cpu_kernels, "expert_rows", single_threaded)
+    torch.testing.assert_close(moe.expert_forward(x, w), moe.swiglu(x, w.gate_up, w.down), rtol=1e-4, atol=1e-4)

@@ -30,8 +30,12 @@
 
 #define INLINE static inline __attribute__((always_inline))
 /* How far ahead the lighter streams (int4, one-row bf16) prefetch: a DRAM latency's worth of bytes. At 1 KB
- * int4 streamed 55-75% of the read probe on one thread (Zen 5), at 4 KB 83-93%. */
+ * int4 streamed 55-75% of the read probe on one thread (Zen 5), at 4 KB 83-93%; on an Intel Xeon guest 2 KB
+ * was 10% slower and 8 KB no faster. One-row fp32 and bf16 prefetch twice as far (twice the bytes per step).
+ * -DPREFETCH_BYTES=... in HINTSERVE_KERNEL_FLAGS tries another distance. */
+#ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 4096
+#endif
 
 
 INLINE float bf16f(uint16_t h) {
@@ -84,6 +88,9 @@ INLINE void avx2_dots(const void *w, int is_bf16, const acts *a, const int64_t *
         for (int64_t k = 0; k < K; k += 32) {
             if (is_bf16)
                 _mm_prefetch((const char *)((const uint16_t *)w + k) + 2 * PREFETCH_BYTES, _MM_HINT_T0);
+            else /* fp32: this step's two lines (as the AVX-512 loop's four) */
+                for (int line = 0; line < 128; line += 64)
+                    _mm_prefetch((const char *)((const float *)w + k) + 2 * PREFETCH_BYTES + line, _MM_HINT_T0);
             acc[0] = _mm256_fmadd_ps(load8(w, is_bf16, k), _mm256_loadu_ps(x[0] + k), acc[0]);
             a1 = _mm256_fmadd_ps(load8(w, is_bf16, k + 8), _mm256_loadu_ps(x[0] + k + 8), a1);
             a2 = _mm256_fmadd_ps(load8(w, is_bf16, k + 16), _mm256_loadu_ps(x[0] + k + 16), a2);
@@ -126,9 +133,14 @@ INLINE void f32_block(const float *w, const acts *a, const int64_t *rows, int mm
         acc[r] = _mm512_setzero_ps();
         x[r] = a->f32 + rows[r] * a->ld;
     }
-    if (mm == 1) { /* one row: four chains, so the FMA latency never paces the stream */
+    /* One row: four chains, so the FMA latency never paces the stream, and the stream prefetched: on an Intel
+     * Xeon guest the hardware prefetchers alone left whole-model fp32 decode at 10-13.5 GB/s, 14.4-14.8 with
+     * this (one thread; 21.0-21.4 against 22.2-24.2 GB/s on two). */
+    if (mm == 1) {
         __m512 a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
         for (int64_t k = 0; k < K; k += 64) {
+            for (int line = 0; line < 256; line += 64) /* the 4 lines of this step, 8 KB on */
+                _mm_prefetch((const char *)(w + k) + 2 * PREFETCH_BYTES + line, _MM_HINT_T0);
             acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x[0] + k), acc[0]);
             a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16), _mm512_loadu_ps(x[0] + k + 16), a1);
             a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 32), _mm512_loadu_ps(x[0] + k + 32), a2);

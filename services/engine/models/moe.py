@@ -25,12 +25,19 @@ def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.
     return F.linear(swiglu_activation(x, gate_up), down)
 
 
+# From this many gate/up weights an fp32 expert runs on the kernels' pool (formats.expert): at Qwen3-30B-A3B's
+# shape one thread's expert_rows streamed half the two-thread probe, and at 16 rows a third of the tiles' rate.
+POOLED_EXPERT_PARAMS = 1 << 20
+
+
 def expert_forward(x: torch.Tensor, w: ExpertWeights | QuantizedExpertWeights) -> torch.Tensor:
     """One routed expert on the tokens routed to it: the single entry point every executor calls."""
     if cpu_kernels.usable(x):
-        if native_expert(w) and cpu_kernels.widths_supported(x.shape[1]) and x.is_contiguous():
+        if (native_expert(w) and w.gate_up.numel() < POOLED_EXPERT_PARAMS
+                and cpu_kernels.widths_supported(x.shape[1]) and x.is_contiguous()):
             # The kernel the device path's fused add runs (moe_forward), here into rows of its own: torch's
             # two linears and silu cost ~10 us more per call on a small expert (a host job's, offload/host_path.py).
+            # It runs on the calling thread alone, untiled: a large expert goes to the pool's tiles below.
             out = torch.empty(x.shape[0], w.down.shape[0])
             cpu_kernels.expert_rows(x, w.gate_up, w.down, out, x.shape[0])
             return out
