@@ -464,6 +464,53 @@ def test_host_executor_hands_a_layer_over_at_once_and_returns_every_result_or_er
     assert not any(worker.is_alive() for worker in executor._workers)
 
 
+def test_a_layer_all_on_the_host_runs_on_the_gathering_thread(monkeypatch) -> None:
+    """With nothing else to do, the gathering thread runs the layer's host jobs itself: no worker is woken
+    (wake=False), while a layer with device work hands its jobs to the workers to overlap them."""
+    import threading
+
+    from services.engine.expert_provider import ExpertWeights
+    from services.engine.offload import host_executor
+    from services.engine.offload.host_executor import HostExecutor
+    from services.engine.offload.stats import OffloadStats
+
+    ran_on: list[str] = []
+    ran = threading.Event()
+    real = host_executor.expert_forward
+
+    def recorded(x, w):
+        ran_on.append(threading.current_thread().name)
+        ran.set()
+        return real(x, w)
+
+    monkeypatch.setattr(host_executor, "expert_forward", recorded)
+    executor = HostExecutor(1, OffloadStats(1))
+    weights = ExpertWeights(torch.randn(16, 4), torch.randn(4, 8))
+    try:
+        jobs = [executor.submit(weights, torch.randn(2, 4)) for _ in range(3)]
+        executor.flush(wake=False)
+        for job in jobs:
+            job.result()
+        assert ran_on == [threading.current_thread().name] * 3
+        ran_on.clear()
+        ran.clear()
+        job = executor.submit(weights, torch.randn(2, 4))
+        executor.flush()
+        assert ran.wait(timeout=30)  # the woken worker runs it (the gatherer would only once it asks)
+        job.result()
+        assert ran_on == ["hintserve-host-0"]
+    finally:
+        executor.shutdown()
+
+
+def test_the_host_path_is_measured_all_on_the_host_and_beside_device_experts() -> None:
+    from services.engine.offload.host_path import measure_host_path
+
+    path = measure_host_path(1, repeats=20)
+    assert path["host_path_s"] >= 0 and path["mixed_path_s"] >= 0
+    assert path["host_layer_s"] > 0 and path["mixed_layer_s"] > 0 and path["device_layer_s"] > 0
+
+
 def test_emulated_host_jobs_end_at_their_finish_on_one_virtual_clock() -> None:
     """A job is ready when the emulated host would have finished it, queued behind the jobs before it, and
     the thread gathering it gets it then, not a worker's wake-up later."""

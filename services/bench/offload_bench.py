@@ -259,7 +259,9 @@ def _report(result: dict, rows: list[Row], json_path: str, plot_path: str) -> No
     print(table)
     path = result["host_path"]
     print("engine host path per MoE layer (submit, run, gather, merge; offload/host_path.py): "
-          + ", ".join(f"{n} token(s) {v['host_path_s'] * 1e6:.0f} us" for n, v in path.items()))
+          + ", ".join(f"{n} token(s) {v['host_path_s'] * 1e6:.0f} us" for n, v in path.items())
+          + "; beside device experts (a worker woken): "
+          + ", ".join(f"{n} token(s) {v['mixed_path_s'] * 1e6:.0f} us" for n, v in path.items()))
     write_json(json_path, result)
     write_markdown(os.path.splitext(json_path)[0] + ".md", "Offload policies", result, table)
     if rows:

@@ -55,7 +55,7 @@ class SimHostExecutor:
         self.stats.host_busy_seconds += seconds
         return SimHostJob(job)
 
-    def flush(self) -> None:
+    def flush(self, wake: bool = True) -> None:
         """The layer's jobs started as they were submitted (the hand-off's cost: HOST_PATH_S, priced per layer)."""
 
     def backlog_seconds(self) -> float:

@@ -125,17 +125,21 @@ class HostExecutor:
         self._batch.append((job, weights, staged, copied, x.device, bus_job is None, activation))
         return job
 
-    def flush(self) -> None:
+    def flush(self, wake: bool = True) -> None:
         """Hands the jobs submitted since the last flush to the workers: one hand-off per worker thread, not
-        one per expert (each cost a thread wake-up; measured: offload/host_path.py)."""
+        one per expert (each cost a thread wake-up; measured: offload/host_path.py). `wake` False: the caller
+        has nothing to do meanwhile but gather them (a layer all on the host), so it runs them itself and no
+        worker is woken: a wake-up and its signal back, and the GIL passed between two threads, cost a 2-vCPU
+        Xeon guest 50-100 us a layer, for no overlap."""
         if not self._batch:
             return
         batch, self._batch = self._batch, []
         while not self._finished.empty():  # signals of workers whose claimed jobs are all done: no one needs them
             self._finished.get_nowait()
         self._pending.extend(batch)
-        for inbox in self._inboxes[: len(batch)]:
-            inbox.put(True)
+        if wake:
+            for inbox in self._inboxes[: len(batch)]:
+                inbox.put(True)
 
     def wait(self, job: HostJob) -> None:
         """Until `job` is done, on the one thread that gathers the host's results: it runs the jobs no worker

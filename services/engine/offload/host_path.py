@@ -1,10 +1,12 @@
 """The engine's per-layer host path, measured: what handing a layer's experts to the host costs beyond their math.
 
 The MoE layer's own code (models.moe.moe_forward) runs with a provider that places every expert on the host
-executor (offload/host_executor.py): submit, the worker's run, gather, merge. The experts are tiny (16 x 16), so
-their math is next to nothing and what is left is the path itself: its cost per layer, less the same layer
-with the experts computed in place (the device path), is what a hybrid policy pays per layer with host work
-(the simulator's `HOST_PATH_S`, the physical bound's sync cost).
+executor (offload/host_executor.py): submit, run, gather, merge. The experts are tiny (16 x 16), so their math
+is next to nothing and what is left is the path itself: its cost per layer, less the same layer with the
+experts computed in place (the device path), is what a hybrid policy pays per layer with host work (the
+simulator's `HOST_PATH_S`, the physical bound's sync cost). With every expert on the host the gathering thread
+runs them itself, as the hybrid provider has it; `mixed_path_s` is the same with half the layer's experts on
+the device, where the host's jobs are handed to a worker thread to overlap them (its wake-up and signal back).
 """
 
 from __future__ import annotations
@@ -26,15 +28,19 @@ EXPERTS, TOP_K = 8, 2
 
 
 class _TinyProvider(ExpertProvider):
-    """Every expert of the layer on the host (`executor` set) or computed in place (None)."""
+    """Every expert of the layer on the host (`executor` set; `mixed`: half of them) or computed in place."""
 
-    def __init__(self, executor: HostExecutor | None) -> None:
+    def __init__(self, executor: HostExecutor | None, mixed: bool = False) -> None:
         self.executor = executor
+        self.mixed = mixed
         self.weights = [ExpertWeights(torch.full((2 * WIDTH, WIDTH), 0.01), torch.full((WIDTH, WIDTH), 0.01))
                         for _ in range(EXPERTS)]
 
     def begin_layer(self, layer: int, experts: list[int], ctx: StepContext, tokens=None) -> LayerPlan:
-        return LayerPlan([], list(experts)) if self.executor is not None else LayerPlan(list(experts))
+        if self.executor is None:
+            return LayerPlan(list(experts))
+        on_device = len(experts) // 2 if self.mixed else 0
+        return LayerPlan(list(experts[:on_device]), list(experts[on_device:]))
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         return self.weights[expert]
@@ -45,7 +51,7 @@ class _TinyProvider(ExpertProvider):
 
     def dispatched(self, layer: int, ctx: StepContext) -> None:
         if self.executor is not None:
-            self.executor.flush()  # as the hybrid provider hands the layer's jobs over
+            self.executor.flush(wake=self.mixed)  # as the hybrid provider hands the layer's jobs over
 
     @property
     def device_bytes(self) -> int:
@@ -69,12 +75,14 @@ def _layer_seconds(provider: _TinyProvider, tokens: int, repeats: int) -> float:
 
 
 def measure_host_path(tokens: int, repeats: int = 400, threads: int = 1) -> dict[str, float]:
-    """Per MoE layer of `tokens` tokens: seconds with every expert on the host, in place, and the host path's
-    own cost (the difference), with `threads` host worker threads."""
+    """Per MoE layer of `tokens` tokens: seconds with every expert on the host, with half of them, in place,
+    and the host path's own cost in both cases (the differences), with `threads` host worker threads."""
     executor = HostExecutor(threads, OffloadStats(1))
     try:
         host = _layer_seconds(_TinyProvider(executor), tokens, repeats)
+        mixed = _layer_seconds(_TinyProvider(executor, mixed=True), tokens, repeats)
     finally:
         executor.shutdown()
     device = _layer_seconds(_TinyProvider(None), tokens, repeats)
-    return {"tokens": tokens, "host_layer_s": host, "device_layer_s": device, "host_path_s": max(0.0, host - device)}
+    return {"tokens": tokens, "host_layer_s": host, "mixed_layer_s": mixed, "device_layer_s": device,
+            "host_path_s": max(0.0, host - device), "mixed_path_s": max(0.0, mixed - device)}

@@ -46,6 +46,7 @@ class HybridExpertProvider(OffloadedExpertProvider):
         self.executor = executor
         self.placement = placement
         self._tokens: dict[int, int] = {}
+        self._host_only = False  # this layer's experts are all on the host
         self.costs: PlacementCosts | None = placement.costs  # measured prices; None for a host-only placement
         self.split_prices = placement.split_prices
         self.staging: DownStaging | None = None
@@ -78,6 +79,7 @@ class HybridExpertProvider(OffloadedExpertProvider):
         gate = self.gate if not ctx.is_prefill and not self.quiet else None
         owed = self.ledger.settle(gate, self.cache, layer, experts) if gate is not None else []
         plan = super().begin_layer(layer, experts, ctx, tokens)
+        self._host_only = not plan.device and not plan.split  # nothing for this thread to do beside the host's
         slots = [self.cache.lookup((layer, e)) for e in plan.device]
         if plan.host or plan.split or any(slot is None or slot.loading for slot in slots):
             self._step_missed = True
@@ -91,7 +93,7 @@ class HybridExpertProvider(OffloadedExpertProvider):
         return self.prefetch_depth > 0 and self._clean_steps >= QUIET_AFTER_STEPS
 
     def dispatched(self, layer: int, ctx: StepContext) -> None:
-        self.executor.flush()  # the layer's host jobs in one hand-off, before any planning
+        self.executor.flush(wake=not self._host_only)  # the layer's host jobs in one hand-off, before any planning
         if self.quiet and not ctx.is_prefill:
             return
         super().dispatched(layer, ctx)
