@@ -17,14 +17,19 @@ def test_every_case_reports_gbs_against_its_probe(tmp_path: Path) -> None:
     assert main(["bench", "host-kernels", *args]) == 0
     saved = json.loads(out.read_text())
     cases = {(r["format"], r["kind"], r["rows"], r["threads"]) for r in saved["results"]}
-    kinds = ("expert", "q_proj", "o_proj", "lm_head")
+    kinds = ("expert", "moe8", "q_proj", "o_proj", "lm_head")
     assert cases == {(f, k, r, 1) for f in ("fp32", "int4") for k in kinds for r in (1, 3)}
     probe = saved["probe_gb_per_s"]["1"]
     assert probe == max(saved["probe_runs_gb_per_s"][when]["1"] for when in ("before", "after"))
-    for r in saved["results"]:
-        assert r["gb_per_s"] > 0 and r["of_probe"] == pytest.approx(r["gb_per_s"] / probe)
+    groups: dict[tuple, float] = {}
+    for r in saved["results"]:  # each case against the probe run around its matrix's cases
+        assert r["probe_gb_per_s"] > 0 and r["of_probe"] == pytest.approx(r["gb_per_s"] / r["probe_gb_per_s"])
+        assert groups.setdefault((r["format"], r["kind"], r["threads"]), r["probe_gb_per_s"]) == r["probe_gb_per_s"]
+        assert r["gb_per_s"] > 0
         assert r["gb_per_s"] == pytest.approx(r["weight_bytes"] / r["us_per_call"] / 1e3)
     experts = {r["format"]: r["weight_bytes"] for r in saved["results"] if r["kind"] == "expert"}
+    layers = {r["format"]: r["weight_bytes"] for r in saved["results"] if r["kind"] == "moe8"}
+    assert layers == {f: 8 * b for f, b in experts.items()}  # a decode layer's top-8 experts a call
     assert experts["fp32"] == 3 * 2048 * 768 * 4 and experts["int4"] < experts["fp32"] / 6  # Qwen3's expert
     assert "| int4 | expert | 3 | 1 |" in (tmp_path / "hk.md").read_text()
     assert (tmp_path / "hk.png").stat().st_size > 0

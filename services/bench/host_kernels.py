@@ -2,7 +2,8 @@
 
 Real MoE decode is bound by memory bandwidth: each token streams its experts' weights from DRAM once. Per weight
 format (fp32, bf16, int8, int4), row count and torch thread count this times one routed expert at Qwen3-30B-A3B's
-shape through `expert_forward` (the one entry point every executor calls) and Qwen3's dense matrices through the
+shape through `expert_forward` (the one entry point every executor calls), a decode layer's top-8 experts through
+the one-call MoE kernel the CPU engine runs (`moe8`: 8 experts a call), and Qwen3's dense matrices through the
 model's own dense linear, cycling through copies of each matrix worth twice the last-level cache per thread so
 every call reads its weights from DRAM, not from cache. GB/s is weight bytes read per second; the ratio divides it
 by a STREAM-like read probe (a sum over a buffer twice the cycle) at the same thread count, measured in the
@@ -12,18 +13,21 @@ same command, before and after the cases. Everything goes through the project's 
 from __future__ import annotations
 
 import copy
+import ctypes
 import dataclasses
 import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from services.common.report import bar_plot, markdown_table, run_header, write_json, write_markdown
 from services.engine import cpu_kernels
+from services.engine.cpu_kernels import formats as cpu_formats
 from services.engine.cpu_threads import use_threads
 from services.engine.expert_format import DEFAULT_GROUP_SIZE
 from services.engine.expert_provider import ExpertWeights
@@ -40,6 +44,7 @@ GROUP_SIZE = DEFAULT_GROUP_SIZE  # int4: the engine's default --expert-group-siz
 HIDDEN, EXPERT_WIDTH = 2048, 768
 DENSE = {"q_proj": (32 * 128, HIDDEN), "o_proj": (HIDDEN, 32 * 128), "lm_head": (8000, HIDDEN)}
 _UNIQUE = 4  # distinct random matrices per kind; the rest are copies (only their addresses must differ)
+TOP_K = 8  # Qwen3-30B-A3B's experts per token: one `moe8` call is one decode layer's experts
 _DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -72,8 +77,7 @@ def bandwidth_probe(buffer: torch.Tensor, threads: int, repeats: int = 5) -> flo
     return buffer.numel() * buffer.element_size() / best / 1e9
 
 
-def _probes(nbytes: int, threads: list[int]) -> dict[int, float]:
-    buffer = torch.ones(nbytes // 4)
+def _probes(buffer: torch.Tensor, threads: list[int]) -> dict[int, float]:
     return {t: bandwidth_probe(buffer, t) for t in threads}
 
 
@@ -83,11 +87,12 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def _count(nbytes: int, cycle_bytes: int) -> int:
-    return max(_UNIQUE, -(-cycle_bytes // nbytes))
+def _count(nbytes: int, cycle_bytes: int, minimum: int = _UNIQUE) -> int:
+    return max(minimum, -(-cycle_bytes // nbytes))
 
 
-def expert_copies(fmt: str, gen: torch.Generator, cycle_bytes: int) -> tuple[Sequence[object], int]:
+def expert_copies(fmt: str, gen: torch.Generator, cycle_bytes: int, minimum: int = _UNIQUE,
+                  ) -> tuple[Sequence[object], int]:
     """Qwen3-shape experts stored as the engine stores `fmt` (expert_layout's flat buffer each), enough to
     stream `cycle_bytes` per pass, and one expert's bytes. `_UNIQUE` are random, the rest copies of them."""
     expert_dtype = {"fp32": "auto", "bf16": "bf16"}.get(fmt, fmt)
@@ -98,7 +103,7 @@ def expert_copies(fmt: str, gen: torch.Generator, cycle_bytes: int) -> tuple[Seq
         flats.append(torch.empty(layout.numel, dtype=layout.dtype))
         layout.pack(ExpertWeights(dense[: 2 * EXPERT_WIDTH], dense[2 * EXPERT_WIDTH :].t().contiguous()), flats[-1])
     nbytes = flats[0].numel() * flats[0].element_size()
-    flats += [flats[i % _UNIQUE].clone() for i in range(_UNIQUE, _count(nbytes, cycle_bytes))]
+    flats += [flats[i % _UNIQUE].clone() for i in range(_UNIQUE, _count(nbytes, cycle_bytes, minimum))]
     return [layout.views(flat) for flat in flats], nbytes
 
 
@@ -124,6 +129,28 @@ def dense_copies(fmt: str, shape: tuple[int, int], gen: torch.Generator, cycle_b
     return packed, nbytes
 
 
+def moe_groups(experts: Sequence[Any]) -> list[tuple[ctypes.Array, ctypes.Array]]:
+    """The expert copies TOP_K at a time, each group as the one-call MoE takes a layer's experts (empty when
+    the native kernels cannot read them)."""
+    groups = []
+    for i in range(0, len(experts) - TOP_K + 1, TOP_K):
+        matrices = [(cpu_formats.as_cpu_matrix(w.gate_up), cpu_formats.as_cpu_matrix(w.down))
+                    for w in experts[i:i + TOP_K]]
+        gate_up = [g for g, _ in matrices if g is not None]
+        down = [d for _, d in matrices if d is not None]
+        if len(gate_up) < TOP_K or len(down) < TOP_K:
+            return []
+        groups.append((cpu_formats.native_array(gate_up), cpu_formats.native_array(down)))
+    return groups
+
+
+def moe_call(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Every row routed to all TOP_K experts of the group, as a decode token to its layer's top-k."""
+    gate_up, down = group
+    ids = torch.arange(TOP_K).expand(x.shape[0], TOP_K)
+    return cpu_formats.moe(x, ids, torch.full((x.shape[0], TOP_K), 1.0 / TOP_K), gate_up, down, HIDDEN)
+
+
 def _copy(layer: NativeLinear) -> NativeLinear:
     """The same layer on copies of its tensors (packing each copy again would cost the run minutes)."""
     m = layer.matrix
@@ -141,6 +168,9 @@ def dense_call(x: torch.Tensor, weights: object) -> torch.Tensor:
         return weights(x if x.dtype == weights.weight.dtype else x.to(weights.weight.dtype))
     assert isinstance(weights, PackedMatrix)  # what dense_copies makes when neither of the above
     return packed_linear(x, weights)
+
+
+LOCAL_PROBE_REPEATS = 3
 
 
 def time_cycle(call: Callable[[torch.Tensor, object], object], weights: Sequence[object], x: torch.Tensor,
@@ -168,21 +198,35 @@ def run_host_kernels(json_path: str, formats: list[str], rows: list[int], thread
     cache = last_level_cache_bytes()
     cycle = cycle_bytes or 2 * cache * max(threads)
     before = torch.get_num_threads()
-    first = _probes(2 * cycle, threads)
+    buffer = torch.ones(2 * cycle // 4)
+    first = _probes(buffer, threads)
     results: list[dict] = []
-    kinds = {"expert": None, **DENSE}
+    experts: Sequence[Any] = []
+    kinds: dict[str, tuple[int, int] | None] = {"expert": None, "moe8": None, **DENSE}
     with tqdm(total=len(formats) * len(kinds) * len(rows) * len(threads), desc="bench host-kernels") as bar:
         for fmt in formats:
             for kind, shape in kinds.items():
                 for t in threads:
                     use_threads(t)  # before building: without native kernels, oneDNN packing depends on it
                     gen = torch.Generator().manual_seed(seed)
-                    if shape is None:
+                    if kind == "moe8":
+                        experts, one = expert_copies(fmt, gen, cycle, minimum=TOP_K)
+                        # The groups are pointers into `experts`, which stays alive until the cases are done.
+                        weights, nbytes, call, width = moe_groups(experts), TOP_K * one, moe_call, HIDDEN
+                        if not weights:  # no native kernels here: no one-call MoE to time
+                            bar.update(len(rows))
+                            continue
+                    elif shape is None:
                         weights, nbytes = expert_copies(fmt, gen, cycle)
                         call, width = expert_forward, HIDDEN
                     else:
                         weights, nbytes = dense_copies(fmt, shape, gen, cycle)
                         call, width = dense_call, shape[1]
+                    # A shared machine's bandwidth drifts by a quarter within minutes: each case is held against
+                    # the probe run right before and after its matrix's cases, the better of the two.
+                    local = [bandwidth_probe(buffer, t, LOCAL_PROBE_REPEATS)]
+                    use_threads(t)
+                    group = len(results)
                     for r in rows:
                         bar.set_postfix_str(f"{fmt} {kind} rows={r} threads={t}")
                         x = torch.randn(r, width, generator=gen)
@@ -191,14 +235,16 @@ def run_host_kernels(json_path: str, formats: list[str], rows: list[int], thread
                         results.append({"format": fmt, "kind": kind, "rows": r, "threads": t,
                                         "us_per_call": seconds * 1e6, "weight_bytes": nbytes, "gb_per_s": gbs})
                         bar.update()
+                    local.append(bandwidth_probe(buffer, t, LOCAL_PROBE_REPEATS))
+                    for case in results[group:]:
+                        case["probe_gb_per_s"] = max(local)
+                        case["of_probe"] = case["gb_per_s"] / max(local)
                     del weights
-    last = _probes(2 * cycle, threads)
+                    experts = []
+    last = _probes(buffer, threads)
     torch.set_num_threads(before)
-    # The machine's best: on a shared box the probe drifts as much as the kernels; it runs before and after.
+    # The machine's best over the run, before and after the cases (each case's own probe is in its row).
     probes = {t: max(first[t], last[t]) for t in threads}
-    for r in results:
-        r["probe_gb_per_s"] = probes[r["threads"]]
-        r["of_probe"] = r["gb_per_s"] / probes[r["threads"]]
     result = {**run_header(), "last_level_cache_bytes": cache, "cycled_bytes_per_pass": cycle,
               "probe_gb_per_s": {str(t): g for t, g in probes.items()},
               "probe_runs_gb_per_s": {"before": {str(t): g for t, g in first.items()},
@@ -217,8 +263,9 @@ def _write(json_path: str, result: dict, formats: list[str], threads: list[int])
     probes = ", ".join(f"{t} thread(s) {g:.1f} GB/s" for t, g in result["probe_gb_per_s"].items())
     note = (f"Read-bandwidth probe: {probes}. Each figure cycles through {result['cycled_bytes_per_pass'] / 1e6:.0f}"
             f" MB of copies of the matrix (the last-level cache: {result['last_level_cache_bytes'] >> 20} MiB), "
-            "median over passes; the probe sums a buffer twice that size, best of 5, before and after the cases, "
-            "the better run kept. expert: Qwen3-30B-A3B's (gate/up 1536x2048, down 2048x768) through "
+            "median over passes; the probe sums a buffer twice that size, best of 5, before and after all "
+            "cases (above); each case's share is of the probe run right before and after its matrix's cases "
+            "(best of 3, the better run kept). expert: Qwen3-30B-A3B's (gate/up 1536x2048, down 2048x768) through "
             "expert_forward;"
             f" int4 group size {result['group_size']}.\n\n")
     table = markdown_table(["format", "matrix", "rows", "threads", "us/call", "GB/s", "of probe"], rows)
