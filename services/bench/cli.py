@@ -298,7 +298,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     host.add_argument("--threads", default=None, help="torch threads, e.g. 1,2 (default 1 .. cores)")
     host.add_argument("--min-seconds", type=float, default=0.3, help="timed seconds per case at least")
     host.add_argument("--cycle-mb", type=float, default=None,
-                      help="weight bytes cycled per pass (default twice the last-level cache per thread: DRAM, not cache)")
+                      help="weight bytes cycled per pass (default twice the last-level cache per thread: DRAM, "
+                           "not cache)")
     host.add_argument("--json", default="bench/results/host_kernels.json")
     host.set_defaults(func=_host_kernels)
 

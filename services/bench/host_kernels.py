@@ -45,6 +45,7 @@ HIDDEN, EXPERT_WIDTH = 2048, 768
 DENSE = {"q_proj": (32 * 128, HIDDEN), "o_proj": (HIDDEN, 32 * 128), "lm_head": (8000, HIDDEN)}
 _UNIQUE = 4  # distinct random matrices per kind; the rest are copies (only their addresses must differ)
 TOP_K = 8  # Qwen3-30B-A3B's experts per token: one `moe8` call is one decode layer's experts
+LOCAL_PROBE_REPEATS = 3  # the probe around each matrix's cases: best of this many sums
 _DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -168,9 +169,6 @@ def dense_call(x: torch.Tensor, weights: object) -> torch.Tensor:
         return weights(x if x.dtype == weights.weight.dtype else x.to(weights.weight.dtype))
     assert isinstance(weights, PackedMatrix)  # what dense_copies makes when neither of the above
     return packed_linear(x, weights)
-
-
-LOCAL_PROBE_REPEATS = 3
 
 
 def time_cycle(call: Callable[[torch.Tensor, object], object], weights: Sequence[object], x: torch.Tensor,

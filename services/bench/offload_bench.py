@@ -222,8 +222,8 @@ def emulated_bound(
     visits = Visits([], [], [], [])
     for routed, missed in zip(measured, misses):
         moe = [layer for layer, experts in enumerate(routed) if experts]
+        share = resident_tpot / max(1, len(moe))
         for layer in moe:
-            share = resident_tpot / len(moe)
             visits.add(0.0, share, share, missed[layer])
     dram = emulated_dram(host.dram_bytes, host.seconds, link_rate)
     return physical_bound(visits, decode_steps, link, host, dram, sync_seconds)

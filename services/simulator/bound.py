@@ -36,6 +36,7 @@ host would save under 1% of a simulated Mixtral layer), and no policy does it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -141,21 +142,26 @@ def simulated_bounds(
     link, host = Side(size / cost.link_bytes_per_second, size), Side(cost.host_expert_seconds(1), size)
     dram = cost.dram_bytes_per_second(size)
 
-    def bound(misses: list[list[int]] | None) -> Bound:
-        visits = Visits([], [], [], [])
-        for step in counted:
-            ctx, shape = workload.context(step), step.shape
-            visits.free_seconds += cost.head_seconds(shape)
-            for layer in range(spec.num_layers):
-                fixed = cost.layer_seconds(layer, shape)
-                if not spec.moe_layers[layer]:
-                    visits.free_seconds += fixed
-                    continue
-                experts = [cost.expert_seconds(n) for n in workload.route(step, layer, ctx).values()]
-                missed = misses[step.index][layer] if misses is not None else 0
-                visits.add(fixed, sum(experts), max(experts, default=0.0), missed)
+    # The device's side of every visit, priced once; only the misses differ between the two figures.
+    resident = Visits([], [], [], [])
+    at: list[tuple[int, int]] = []  # each visit's (step index, layer)
+    for step in counted:
+        ctx, shape = workload.context(step), step.shape
+        resident.free_seconds += cost.head_seconds(shape)
+        for layer in range(spec.num_layers):
+            fixed = cost.layer_seconds(layer, shape)
+            if not spec.moe_layers[layer]:
+                resident.free_seconds += fixed
+                continue
+            experts = [cost.expert_seconds(n) for n in workload.route(step, layer, ctx).values()]
+            resident.add(fixed, sum(experts), max(experts, default=0.0), 0)
+            at.append((step.index, layer))
+
+    def bound(misses: list[list[int]]) -> Bound:
+        visits = dataclasses.replace(resident, misses=[misses[s][layer] for s, layer in at])
         return physical_bound(visits, len(counted), link, host, dram, HOST_PATH_S)
 
     if slots is None:
-        return bound(None), bound(None)
+        everything = physical_bound(resident, len(counted), link, host, dram, HOST_PATH_S)
+        return everything, everything
     return bound(fewest_misses(steps, slots)), bound(static_misses(steps, slots))

@@ -11,8 +11,8 @@ The sources are compiled at first use with the system C compiler (`$CC`, else `c
 a per-user cache keyed by the sources, flags and CPU; nothing to build at install time, no torch headers (a few
 seconds). Without a compiler, or with HINTSERVE_CPU_KERNELS=0, `library()` is None and callers keep torch's
 path. HINTSERVE_KERNEL_FLAGS (e.g. "-O3 -mavx2 -mfma -mno-avx512f -fno-math-errno") replaces the flags: to
-build and check the loops of another instruction set than this CPU's best. Callers use the kernels when torch runs one intra-op thread (`usable`): the pool then has the cores
-(`cpu_threads.apply_threads`).
+build and check the loops of another instruction set than this CPU's best. Callers use the kernels when torch
+runs one intra-op thread (`usable`): the pool then has the cores (`cpu_threads.apply_threads`).
 """
 
 from __future__ import annotations
