@@ -29,9 +29,11 @@
 #endif
 
 #define INLINE static inline __attribute__((always_inline))
-/* How far ahead the lighter streams (int4, one-row bf16) prefetch: a DRAM latency's worth of bytes. At 1 KB
- * int4 streamed 55-75% of the read probe on one thread (Zen 5), at 4 KB 83-93%; on an Intel Xeon guest 2 KB
- * was 10% slower and 8 KB no faster. One-row fp32 and bf16 prefetch twice as far (twice the bytes per step).
+/* How far ahead the lighter streams (int4) prefetch: a DRAM latency's worth of bytes. At 1 KB int4 streamed
+ * 55-75% of the read probe on one thread (Zen 5), at 4 KB 83-93%; on an Intel Xeon guest 2 KB was 10% slower
+ * and 8 KB no faster. The heavier streams (one-row fp32 and bf16, int8 tiles) prefetch twice as far, every line
+ * they read: on a second Xeon guest the one-row bf16 loop, prefetching one of its two lines a step, read
+ * 10.5 GB/s on one thread against fp32's 14.5; both lines: 14.5-15.3 (int8 tiles: +4-6%).
  * -DPREFETCH_BYTES=... in HINTSERVE_KERNEL_FLAGS tries another distance. */
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 4096
@@ -176,7 +178,8 @@ INLINE void bf16_block(const uint16_t *w, const acts *a, const int64_t *rows, in
     if (mm == 1) { /* one row: two chains */
         __m512 a1 = _mm512_setzero_ps();
         for (int64_t k = 0; k < K; k += 64) {
-            _mm_prefetch((const char *)(w + k) + 2 * PREFETCH_BYTES, _MM_HINT_T0);
+            for (int line = 0; line < 128; line += 64) /* both lines of this step (one left bf16 at 10.5 GB/s) */
+                _mm_prefetch((const char *)(w + k) + 2 * PREFETCH_BYTES + line, _MM_HINT_T0);
             acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_loadu_si512(w + k),
                                       (__m512bh)_mm512_loadu_si512(x[0] + k));
             a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w + k + 32),
@@ -408,6 +411,8 @@ INLINE void q8_tile(const uint8_t *w, const float *ws, const acts *a, const int6
         for (int r = 0; r < mm; r++)
             dot[r] = odd[r] = _mm512_setzero_si512();
         for (int64_t k = b * QB; k < (b + 1) * QB; k += 8) {
+            for (int line = 0; line < 128; line += 64) /* this step's two lines, 8 KB on (as one-row fp32) */
+                _mm_prefetch((const char *)(w + k * TILE) + 2 * PREFETCH_BYTES + line, _MM_HINT_T0);
             __m512i w0 = _mm512_loadu_si512(w + k * TILE), w1 = _mm512_loadu_si512(w + (k + 4) * TILE);
             for (int r = 0; r < mm; r++) {
                 dot[r] = _mm512_dpbusd_epi32(dot[r], w0, bcast4(x[r] + k));
@@ -568,7 +573,9 @@ INLINE void q8_tile(const uint8_t *w, const float *ws, const acts *a, const int6
     __m256 lo[MB], hi[MB];
     for (int r = 0; r < mm; r++)
         lo[r] = hi[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++)
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t line = 0; line < QB * TILE; line += 64) /* the block's 1 KB, 8 KB on */
+            _mm_prefetch((const char *)(w + b * QB * TILE) + 2 * PREFETCH_BYTES + line, _MM_HINT_T0);
         for (int r = 0; r < mm; r++) {
             __m256i dl, dh;
             q8_dots(w, a->q + rows[r] * K, b * QB, (b + 1) * QB, &dl, &dh);
@@ -576,6 +583,7 @@ INLINE void q8_tile(const uint8_t *w, const float *ws, const acts *a, const int6
             lo[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dl), d, lo[r]);
             hi[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dh), d, hi[r]);
         }
+    }
     for (int r = 0; r < mm; r++) {
         float res[TILE];
         _mm256_storeu_ps(res, lo[r]);
