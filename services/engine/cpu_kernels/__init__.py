@@ -34,7 +34,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("kernels.c", "threadpool.c", "matmul.c", "rows.c", "moe.c")]
-HEADERS = [Path(__file__).with_name("hs.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("hs.h", "rows_neon.h")]
 # The second where the compiler knows no -march=native. -fno-math-errno: lrintf inline, not a libm call per element.
 _FLAG_SETS = (["-O3", "-march=native", "-fno-math-errno"], ["-O3", "-fno-math-errno"])
 _ROWS = 8  # kernels.c's ROWS: tokens per expert GEMM pass

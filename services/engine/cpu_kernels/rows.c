@@ -38,6 +38,8 @@
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 4096
 #endif
+#define TILE 16 /* int8 and int4: weight rows per tile (below) */
+#define SPLIT_MAX 4 /* activation rows up to which each row's integer dot products run on two chains */
 
 
 INLINE float bf16f(uint16_t h) {
@@ -58,6 +60,10 @@ INLINE float portable_dot(const void *w, int is_bf16, const float *x, int64_t K)
         t += s[i];
     return t;
 }
+
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#include "rows_neon.h"
+#endif
 
 #if defined(HAVE_AVX2)
 INLINE float hsum8(__m256 v) {
@@ -160,6 +166,8 @@ INLINE void f32_block(const float *w, const acts *a, const int64_t *rows, int mm
         out[r] = _mm512_reduce_add_ps(acc[r]);
 #elif defined(HAVE_AVX2)
     avx2_dots(w, 0, a, rows, mm, K, out);
+#elif defined(HAVE_NEON)
+    neon_dots(w, 0, a, rows, mm, K, out);
 #else
     for (int r = 0; r < mm; r++)
         out[r] = portable_dot(w, 0, a->f32 + rows[r] * a->ld, K);
@@ -197,6 +205,8 @@ INLINE void bf16_block(const uint16_t *w, const acts *a, const int64_t *rows, in
         out[r] = _mm512_reduce_add_ps(acc[r]);
 #elif defined(HAVE_AVX2)
     avx2_dots(w, 1, a, rows, mm, K, out);
+#elif defined(HAVE_NEON)
+    neon_dots(w, 1, a, rows, mm, K, out);
 #else
     for (int r = 0; r < mm; r++)
         out[r] = portable_dot(w, 1, a->f32 + rows[r] * a->ld, K);
@@ -381,8 +391,6 @@ static void float_rows(const hs_matrix *W, const acts *a, const int64_t *rows, i
  * inputs t (low nibble) and 4 + t (high) of each 8; its (scale, zero) as bf16 [2][G][TILE]. One vpdpbusd
  * multiplies 4 inputs of TILE rows by the same 4 activations (broadcast), so each group's scales apply to a
  * vector of rows and nothing is summed across lanes. */
-#define TILE 16
-#define SPLIT_MAX 4 /* activation rows up to which each row's integer dot products run on two chains */
 
 #if defined(HAVE_VNNI512)
 INLINE __m512 bf16x16(const uint16_t *p) {
@@ -622,6 +630,8 @@ INLINE void q4_tile(const uint8_t *w, const uint16_t *sz, int64_t g, const acts 
         store_tile(y + r * ldy, res, NULL, 0.0f, bias, valid);
     }
 }
+#elif defined(HAVE_NEON_DOT)
+/* q8_tile and q4_tile: rows_neon.h */
 #else
 /* Portable loops over the same tiles. */
 INLINE void q8_tile(const uint8_t *w, const float *ws, const acts *a, const int64_t *rows, int mm, int64_t K,
@@ -710,6 +720,8 @@ const char *hs_isa(void) {
         "avx512"
 #elif defined(HAVE_AVX2)
         "avx2+fma"
+#elif defined(HAVE_NEON)
+        "neon"
 #else
         "portable C"
 #endif
@@ -717,6 +729,8 @@ const char *hs_isa(void) {
         "+vnni"
 #elif defined(HAVE_AVXVNNI)
         "+avxvnni"
+#elif defined(HAVE_NEON_DOT)
+        "+dotprod"
 #endif
 #if defined(__AVX512BF16__)
         "+bf16"

@@ -1,0 +1,236 @@
+/* The native matmul against a scalar reference, in whatever ISA this file is built for (x86 here, aarch64 under
+ * qemu: tests/test_native_isa.py). Weights are random bytes in each format's packed layout (matmul.c), so the
+ * check needs no packer; activations go through the library's own preparation (hs_acts_fill), and the reference
+ * reads the prepared values, so integer formats must agree to float rounding. Then hs_moe, whose assignments
+ * take rows by index, against the same library's one-row calls.
+ * Prints one line per failing case and "checked N cases, F failed"; exits 1 on any failure. */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "hs.h"
+
+int hs_linear(const hs_matrix *W, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t M);
+int hs_moe(const hs_matrix *gate_up, const hs_matrix *down, int64_t E, const float *x, int64_t ldx, int64_t T,
+           const int64_t *ids, const float *weights, int64_t top_k, float *out);
+int hs_set_threads(int threads);
+const char *hs_isa(void);
+
+#define TILE 16
+static uint64_t seed = 88172645463325252ull;
+static uint64_t next_u64(void) { /* xorshift64: the same cases on every machine */
+    seed ^= seed << 13;
+    seed ^= seed >> 7;
+    seed ^= seed << 17;
+    return seed;
+}
+static float uniform(float lo, float hi) { return lo + (hi - lo) * (float)(next_u64() >> 40) / (float)(1 << 24); }
+static float bf16f(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static uint16_t to_bf16(float f) { /* truncation: any bf16 will do for random weights */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)(u >> 16);
+}
+
+static int64_t padded(int64_t n) { return (n + TILE - 1) / TILE * TILE; }
+
+/* A random matrix of `format` with N rows of K inputs (int4 groups of `group`). */
+static hs_matrix make_matrix(int64_t format, int64_t N, int64_t K, int64_t group, int with_bias) {
+    hs_matrix W = {format, format == Q4 ? group : 0, N, K, NULL, NULL, NULL};
+    int64_t Np = padded(N);
+    if (format == F32) {
+        float *w = malloc(N * K * sizeof *w);
+        for (int64_t i = 0; i < N * K; i++)
+            w[i] = uniform(-1.0f, 1.0f);
+        W.w = w;
+    } else if (format == BF16) {
+        uint16_t *w = malloc(N * K * sizeof *w);
+        for (int64_t i = 0; i < N * K; i++)
+            w[i] = to_bf16(uniform(-1.0f, 1.0f));
+        W.w = w;
+    } else if (format == Q8) {
+        uint8_t *w = malloc(Np * K);
+        float *s = malloc(N * sizeof *s);
+        for (int64_t i = 0; i < Np * K; i++)
+            w[i] = (uint8_t)(1 + next_u64() % 255); /* q + 128, q in -127..127 */
+        for (int64_t n = 0; n < N; n++)
+            s[n] = uniform(0.001f, 0.01f);
+        W.w = w, W.scales = s;
+    } else {
+        int64_t G = K / group;
+        uint8_t *w = malloc(Np * K / 2);
+        uint16_t *sz = malloc(Np * 2 * G * sizeof *sz);
+        for (int64_t i = 0; i < Np * K / 2; i++)
+            w[i] = (uint8_t)next_u64();
+        for (int64_t t = 0; t < Np / TILE; t++)
+            for (int64_t j = 0; j < G; j++)
+                for (int64_t i = 0; i < TILE; i++) {
+                    sz[t * 2 * G * TILE + j * TILE + i] = to_bf16(uniform(0.01f, 0.1f));
+                    sz[t * 2 * G * TILE + (G + j) * TILE + i] = to_bf16(uniform(-0.05f, 0.05f));
+                }
+        W.w = w, W.scales = sz;
+    }
+    if (with_bias) {
+        float *b = malloc(N * sizeof *b);
+        for (int64_t n = 0; n < N; n++)
+            b[n] = uniform(-1.0f, 1.0f);
+        W.bias = b;
+    }
+    return W;
+}
+
+/* Row m, column n of the reference, and the sum of its terms' magnitudes (what the tolerance scales with). */
+static double reference(const hs_matrix *W, const acts *a, const float *x, int64_t m, int64_t n, double *scale) {
+    int64_t K = W->K;
+    double sum = 0.0, mag = 0.0;
+    if (W->format == F32 || W->format == BF16) {
+        for (int64_t k = 0; k < K; k++) {
+            double w = W->format == F32 ? ((const float *)W->w)[n * K + k] : bf16f(((const uint16_t *)W->w)[n * K + k]);
+            sum += w * x[m * K + k];
+            mag += fabs(w * x[m * K + k]);
+        }
+    } else if (W->format == Q8) {
+        const uint8_t *w = (const uint8_t *)W->w + n / TILE * TILE * K;
+        int64_t i = n % TILE, blocks = K / QB;
+        for (int64_t b = 0; b < blocks; b++) {
+            int64_t s = 0, sa = 0;
+            for (int64_t k = b * QB; k < (b + 1) * QB; k++) {
+                int64_t q = (int64_t)w[(k / 4) * TILE * 4 + i * 4 + k % 4] - 128, v = q * a->q[m * K + k];
+                s += v;
+                sa += v < 0 ? -v : v;
+            }
+            double d = a->d[m * blocks + b] * ((const float *)W->scales)[n];
+            sum += d * (double)s;
+            mag += fabs(d) * (double)sa;
+        }
+    } else {
+        int64_t g = W->group, G = K / g, i = n % TILE;
+        const uint8_t *w = (const uint8_t *)W->w + n / TILE * TILE * (K / 2);
+        const uint16_t *sz = (const uint16_t *)W->scales + n / TILE * TILE * 2 * G;
+        for (int64_t j = 0; j < G; j++) {
+            double scale = bf16f(sz[j * TILE + i]), zero = bf16f(sz[(G + j) * TILE + i]), d = a->d[m * G + j];
+            for (int64_t k = j * g; k < (j + 1) * g; k++) {
+                uint8_t byte = w[(k / 8) * TILE * 4 + i * 4 + k % 4];
+                double v = ((k % 8 < 4 ? byte & 15 : byte >> 4) - 8.0) * scale + zero;
+                sum += v * d * a->q[m * K + k];
+                mag += fabs(v * d * a->q[m * K + k]);
+            }
+        }
+    }
+    *scale = mag;
+    return sum + (W->bias ? W->bias[n] : 0.0);
+}
+
+static int cases, failures;
+static void expect_close(const char *what, double got, double want, double magnitude, double tolerance) {
+    cases++;
+    if (!(fabs(got - want) <= tolerance * (magnitude + 1.0))) {
+        if (failures++ < 20)
+            printf("FAIL %s: got %.7g, want %.7g\n", what, got, want);
+    }
+}
+
+static const char *NAMES[] = {"fp32", "bf16", "int8", "int4"};
+/* bf16: AVX-512 BF16 rounds the activations to bf16 (2^-8), the other loops keep them in fp32. */
+static double tolerance(int64_t format) { return format == BF16 ? 1e-2 : 1e-5; }
+
+static void check_linear(int64_t format, int64_t N, int64_t K, int64_t M, int with_bias) {
+    hs_matrix W = make_matrix(format, N, K, 64, with_bias);
+    float *x = malloc(M * K * sizeof *x), *y = malloc(M * N * sizeof *y);
+    for (int64_t i = 0; i < M * K; i++)
+        x[i] = uniform(-2.0f, 2.0f);
+    if (hs_linear(&W, x, K, y, N, M) != 0) {
+        printf("FAIL %s: hs_linear out of memory\n", NAMES[format]);
+        failures++;
+        return;
+    }
+    char *scratch = malloc(hs_acts_bytes(&W, M) + 64);
+    acts a;
+    hs_acts_init(&W, x, K, M, scratch, &a);
+    hs_acts_fill(&a, 0, M);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = 0; n < N; n++) {
+            char what[96];
+            double magnitude, want = reference(&W, &a, x, m, n, &magnitude);
+            snprintf(what, sizeof what, "%s N=%lld K=%lld M=%lld bias=%d [%lld, %lld]", NAMES[format],
+                     (long long)N, (long long)K, (long long)M, with_bias, (long long)m, (long long)n);
+            expect_close(what, y[m * N + n], want, magnitude, tolerance(format));
+        }
+    free(scratch), free(x), free(y);
+    free((void *)W.w), free((void *)W.scales), free((void *)W.bias);
+}
+
+/* hs_moe (E experts, each token to top_k of them) against one-row hs_linear calls and a scalar SwiGLU. */
+static void check_moe(int64_t format, int64_t H, int64_t I, int64_t E, int64_t T, int64_t top_k) {
+    hs_matrix gate_up[8], down[8];
+    for (int64_t e = 0; e < E; e++) {
+        gate_up[e] = make_matrix(format, 2 * I, H, 64, 0);
+        down[e] = make_matrix(format, H, I, 64, 0);
+    }
+    float *x = malloc(T * H * sizeof *x), *weights = malloc(T * top_k * sizeof *weights);
+    float *out = malloc(T * H * sizeof *out), *h = malloc(2 * I * sizeof *h), *act = malloc(I * sizeof *act);
+    float *y = malloc(H * sizeof *y);
+    int64_t *ids = malloc(T * top_k * sizeof *ids);
+    for (int64_t i = 0; i < T * H; i++)
+        x[i] = uniform(-1.0f, 1.0f);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t k = 0; k < top_k; k++) {
+            ids[t * top_k + k] = (t + 3 * k) % E; /* distinct per token while top_k <= E / 3 + 1 */
+            weights[t * top_k + k] = uniform(0.1f, 1.0f);
+        }
+    if (hs_moe(gate_up, down, E, x, H, T, ids, weights, top_k, out) != 0) {
+        printf("FAIL %s: hs_moe failed\n", NAMES[format]);
+        failures++;
+        return;
+    }
+    for (int64_t t = 0; t < T; t++) {
+        double *want = calloc(H, sizeof *want);
+        for (int64_t k = 0; k < top_k; k++) {
+            int64_t e = ids[t * top_k + k];
+            hs_linear(&gate_up[e], x + t * H, H, h, 2 * I, 1);
+            for (int64_t i = 0; i < I; i++)
+                act[i] = h[i] / (1.0f + expf(-h[i])) * h[I + i];
+            hs_linear(&down[e], act, I, y, H, 1);
+            for (int64_t i = 0; i < H; i++)
+                want[i] += weights[t * top_k + k] * y[i];
+        }
+        for (int64_t i = 0; i < H; i++) {
+            char what[64];
+            snprintf(what, sizeof what, "moe %s T=%lld [%lld, %lld]", NAMES[format], (long long)T, (long long)t,
+                     (long long)i);
+            expect_close(what, out[t * H + i], want[i], fabs(want[i]), 1e-4);
+        }
+        free(want);
+    }
+    for (int64_t e = 0; e < E; e++) {
+        free((void *)gate_up[e].w), free((void *)gate_up[e].scales);
+        free((void *)down[e].w), free((void *)down[e].scales);
+    }
+    free(x), free(weights), free(out), free(h), free(act), free(y), free(ids);
+}
+
+int main(void) {
+    static const int64_t rows[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17};
+    printf("isa %s\n", hs_isa());
+    for (int threads = 1; threads <= 2; threads++) {
+        hs_set_threads(threads);
+        for (int64_t format = F32; format <= Q4; format++)
+            for (size_t r = 0; r < sizeof rows / sizeof *rows; r++) {
+                check_linear(format, 40, 256, rows[r], (int)(r % 2));
+                check_linear(format, 16, 128, rows[r], 0);
+            }
+        for (int64_t format = F32; format <= Q4; format++) {
+            check_moe(format, 128, 64, 5, 1, 2);
+            check_moe(format, 128, 64, 5, 7, 2);
+        }
+    }
+    printf("checked %d cases, %d failed\n", cases, failures);
+    return failures ? 1 : 0;
+}
