@@ -41,7 +41,9 @@ def load_resident_experts(
             natives.append(None)
             continue
         load = expert_loader(reader, spec, layer)
-        layer_experts = [_place(load(e, reader.device), layout, reader.device) for e in range(spec.num_experts)]
+        packed = _layer_buffer(layout, spec.num_experts, reader.device)
+        layer_experts = [_place(load(e, reader.device), layout, reader.device, packed, e)
+                         for e in range(spec.num_experts)]
         stacked = None
         native = NativeExperts.build(layer_experts) if fused and str(reader.device) == "cpu" else None
         natives.append(native)
@@ -54,11 +56,21 @@ def load_resident_experts(
     return ResidentExpertProvider(experts, stacks, natives)
 
 
+def _layer_buffer(layout: StoredLayout | None, experts: int, device: torch.device | str) -> torch.Tensor | None:
+    """One buffer for a layer's packed experts: a fresh allocation this large is backed by huge pages
+    (services/__init__.py), which one expert's (an int4 Qwen3 expert is 2.8 MB, mostly carved from memory the
+    load already touched) was not; the layer's experts then stream without a page walk every 4 KB."""
+    if layout is None or isinstance(layout, ExpertLayout):
+        return None  # experts kept as read (a dense layout of another dtype converts expert by expert)
+    return torch.empty(experts, layout.numel, dtype=layout.dtype, device=device)
+
+
 def _place(
-    w: ExpertWeights, layout: StoredLayout | None, device: torch.device | str
+    w: ExpertWeights, layout: StoredLayout | None, device: torch.device | str, packed: torch.Tensor | None = None,
+    index: int = 0,
 ) -> ExpertWeights | QuantizedExpertWeights:
     if layout is None or (isinstance(layout, ExpertLayout) and layout.dtype == w.gate_up.dtype):
         return w  # already in the form the layout asks for: no copy
-    flat = torch.empty(layout.numel, dtype=layout.dtype, device=device)
+    flat = packed[index] if packed is not None else torch.empty(layout.numel, dtype=layout.dtype, device=device)
     layout.pack(w, flat)
     return layout.views(flat)
