@@ -38,6 +38,15 @@
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 4096
 #endif
+#ifndef PREFETCH_HINT
+#define PREFETCH_HINT _MM_HINT_T0
+#endif
+/* The integer tiles prefetch into L2 instead, as kernels.c's loops do: into L1 their prefetches queue on its
+ * few miss buffers (Xeon guest, one row, huge pages, alternating builds: int4 +5-13%, int8 a few %; the float
+ * loops were tuned with T0 and not re-timed). */
+#ifndef PREFETCH_HINT_INT
+#define PREFETCH_HINT_INT _MM_HINT_T1
+#endif
 #define TILE 16 /* int8 and int4: weight rows per tile (below) */
 #define SPLIT_MAX 4 /* activation rows up to which each row's integer dot products run on two chains */
 
@@ -95,10 +104,10 @@ INLINE void avx2_dots(const void *w, int is_bf16, const acts *a, const int64_t *
         __m256 a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
         for (int64_t k = 0; k < K; k += 32) {
             if (is_bf16)
-                _mm_prefetch((const char *)((const uint16_t *)w + k) + 2 * PREFETCH_BYTES, _MM_HINT_T0);
+                _mm_prefetch((const char *)((const uint16_t *)w + k) + 2 * PREFETCH_BYTES, PREFETCH_HINT);
             else /* fp32: this step's two lines (as the AVX-512 loop's four) */
                 for (int line = 0; line < 128; line += 64)
-                    _mm_prefetch((const char *)((const float *)w + k) + 2 * PREFETCH_BYTES + line, _MM_HINT_T0);
+                    _mm_prefetch((const char *)((const float *)w + k) + 2 * PREFETCH_BYTES + line, PREFETCH_HINT);
             acc[0] = _mm256_fmadd_ps(load8(w, is_bf16, k), _mm256_loadu_ps(x[0] + k), acc[0]);
             a1 = _mm256_fmadd_ps(load8(w, is_bf16, k + 8), _mm256_loadu_ps(x[0] + k + 8), a1);
             a2 = _mm256_fmadd_ps(load8(w, is_bf16, k + 16), _mm256_loadu_ps(x[0] + k + 16), a2);
@@ -148,7 +157,7 @@ INLINE void f32_block(const float *w, const acts *a, const int64_t *rows, int mm
         __m512 a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
         for (int64_t k = 0; k < K; k += 64) {
             for (int line = 0; line < 256; line += 64) /* the 4 lines of this step, 8 KB on */
-                _mm_prefetch((const char *)(w + k) + 2 * PREFETCH_BYTES + line, _MM_HINT_T0);
+                _mm_prefetch((const char *)(w + k) + 2 * PREFETCH_BYTES + line, PREFETCH_HINT);
             acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x[0] + k), acc[0]);
             a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16), _mm512_loadu_ps(x[0] + k + 16), a1);
             a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 32), _mm512_loadu_ps(x[0] + k + 32), a2);
@@ -187,7 +196,7 @@ INLINE void bf16_block(const uint16_t *w, const acts *a, const int64_t *rows, in
         __m512 a1 = _mm512_setzero_ps();
         for (int64_t k = 0; k < K; k += 64) {
             for (int line = 0; line < 128; line += 64) /* both lines of this step (one left bf16 at 10.5 GB/s) */
-                _mm_prefetch((const char *)(w + k) + 2 * PREFETCH_BYTES + line, _MM_HINT_T0);
+                _mm_prefetch((const char *)(w + k) + 2 * PREFETCH_BYTES + line, PREFETCH_HINT);
             acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_loadu_si512(w + k),
                                       (__m512bh)_mm512_loadu_si512(x[0] + k));
             a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w + k + 32),
@@ -420,7 +429,7 @@ INLINE void q8_tile(const uint8_t *w, const float *ws, const acts *a, const int6
             dot[r] = odd[r] = _mm512_setzero_si512();
         for (int64_t k = b * QB; k < (b + 1) * QB; k += 8) {
             for (int line = 0; line < 128; line += 64) /* this step's two lines, 8 KB on (as one-row fp32) */
-                _mm_prefetch((const char *)(w + k * TILE) + 2 * PREFETCH_BYTES + line, _MM_HINT_T0);
+                _mm_prefetch((const char *)(w + k * TILE) + 2 * PREFETCH_BYTES + line, PREFETCH_HINT_INT);
             __m512i w0 = _mm512_loadu_si512(w + k * TILE), w1 = _mm512_loadu_si512(w + (k + 4) * TILE);
             for (int r = 0; r < mm; r++) {
                 dot[r] = _mm512_dpbusd_epi32(dot[r], w0, bcast4(x[r] + k));
@@ -458,7 +467,7 @@ INLINE void q4_tile(const uint8_t *w, const uint16_t *sz, int64_t g, const acts 
         for (int r = 0; r < mm; r++)
             dot[r] = hid[r] = _mm512_setzero_si512();
         for (int64_t k = j * g; k < (j + 1) * g; k += 8) {
-            _mm_prefetch((const char *)(w + k / 2 * TILE) + PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + k / 2 * TILE) + PREFETCH_BYTES, PREFETCH_HINT_INT);
             __m512i p = _mm512_loadu_si512(w + k / 2 * TILE);
             __m512i lo = _mm512_and_si512(p, low), hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
             for (int r = 0; r < mm; r++) {
@@ -583,7 +592,7 @@ INLINE void q8_tile(const uint8_t *w, const float *ws, const acts *a, const int6
         lo[r] = hi[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         for (int64_t line = 0; line < QB * TILE; line += 64) /* the block's 1 KB, 8 KB on */
-            _mm_prefetch((const char *)(w + b * QB * TILE) + 2 * PREFETCH_BYTES + line, _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + b * QB * TILE) + 2 * PREFETCH_BYTES + line, PREFETCH_HINT_INT);
         for (int r = 0; r < mm; r++) {
             __m256i dl, dh;
             q8_dots(w, a->q + rows[r] * K, b * QB, (b + 1) * QB, &dl, &dh);
@@ -608,7 +617,7 @@ INLINE void q4_tile(const uint8_t *w, const uint16_t *sz, int64_t g, const acts 
         lo[r] = hi[r] = _mm256_setzero_ps();
     for (int64_t j = 0; j < G; j++) {
         for (int64_t k = j * g; k < (j + 1) * g; k += 8)
-            _mm_prefetch((const char *)(w + k / 2 * TILE) + PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + k / 2 * TILE) + PREFETCH_BYTES, PREFETCH_HINT_INT);
         __m256 sl = bf16x8(sz + j * TILE), sh = bf16x8(sz + j * TILE + 8);
         __m256 zl = bf16x8(sz + (G + j) * TILE), zh = bf16x8(sz + (G + j) * TILE + 8);
         const __m256 eight = _mm256_set1_ps(8.0f);
