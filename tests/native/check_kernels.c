@@ -18,7 +18,6 @@ int hs_moe(const hs_matrix *gate_up, const hs_matrix *down, int64_t E, const flo
 int hs_set_threads(int threads);
 const char *hs_isa(void);
 
-#define TILE 16
 static uint64_t seed = 88172645463325252ull;
 static uint64_t next_u64(void) { /* xorshift64: the same cases on every machine */
     seed ^= seed << 13;

@@ -56,14 +56,17 @@ class CpuMatrix:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.weight, self.scales) if t is not None)
 
+    def native_fields(self) -> tuple[int | None, ...]:
+        """hs_matrix's fields: format, group, N, K and the addresses of the weight, scales and bias."""
+        n, k = self.shape
+        return (FORMAT_IDS[self.format], self.group, n, k, self.weight.data_ptr(),
+                None if self.scales is None else self.scales.data_ptr(),
+                None if self.bias is None else self.bias.data_ptr())
+
     def native(self) -> _NativeMatrix:
         """The struct matmul.c takes (built once: its pointers are this object's tensors')."""
         if self._native is None:
-            n, k = self.shape
-            self._native = _NativeMatrix(
-                FORMAT_IDS[self.format], self.group, n, k, self.weight.data_ptr(),
-                None if self.scales is None else self.scales.data_ptr(),
-                None if self.bias is None else self.bias.data_ptr())
+            self._native = _NativeMatrix(*self.native_fields())
         return self._native
 
 
@@ -71,10 +74,7 @@ def alone(m: CpuMatrix) -> ctypes.Array:
     """The matrix as a one-element C array (a single expert's call), made once like its struct; a plain tensor's
     matrix is made afresh per call (as_cpu_matrix), so its array comes from a cache keyed by what it holds."""
     if m._alone is None:
-        n, k = m.shape
-        m._alone = _alone_array(FORMAT_IDS[m.format], m.group, n, k, m.weight.data_ptr(),
-                                None if m.scales is None else m.scales.data_ptr(),
-                                None if m.bias is None else m.bias.data_ptr())
+        m._alone = _alone_array(*m.native_fields())
     return m._alone
 
 

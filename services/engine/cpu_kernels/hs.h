@@ -11,6 +11,7 @@ enum { F32 = 0, BF16 = 1, Q8 = 2, Q4 = 3 };
 #define QB 64    /* Q8's activation block */
 #define MB 8     /* activation rows per pass over a weight row (rows.c unrolls 1..MB) */
 #define NCHUNK 16 /* weight rows per work item */
+#define TILE 16   /* int8 and int4: weight rows interleaved per tile (rows.c; formats.py's TILE) */
 
 typedef struct {
     int64_t format, group, N, K;

@@ -47,7 +47,6 @@
 #ifndef PREFETCH_HINT_INT
 #define PREFETCH_HINT_INT _MM_HINT_T1
 #endif
-#define TILE 16 /* int8 and int4: weight rows per tile (below) */
 #define SPLIT_MAX 4 /* activation rows up to which each row's integer dot products run on two chains */
 
 

@@ -1,6 +1,6 @@
 /* rows.c's loops for Arm: NEON for the float formats, and SDOT (the Armv8.2 dot-product extension: Graviton 2
- * on, Ampere Altra, Apple M1 on) for int8 and int4. Included by rows.c, which defines INLINE, TILE, MB, QB,
- * PREFETCH_BYTES and the layouts (matmul.c, formats.py); tests/native/check_kernels.c holds them to a scalar
+ * on, Ampere Altra, Apple M1 on) for int8 and int4. Included by rows.c, which defines INLINE and
+ * PREFETCH_BYTES (hs.h: TILE, MB, QB) and the layouts (matmul.c, formats.py); tests/native/check_kernels.c holds them to a scalar
  * reference, built for aarch64 and run under qemu (tests/test_native_isa.py).
  *
  * The integer tiles keep x86's layout: one 16-byte vector is 4 weight rows x 4 inputs, and SDOT's lane form
@@ -14,10 +14,12 @@
 #define HAVE_NEON_DOT 1
 #endif
 
-/* 4 weights as fp32: fp32 loaded, bf16 widened (a bf16 is an fp32's high half: a shift is exact). */
+/* 4 bf16 widened to fp32: a bf16 is an fp32's high half, so a shift is exact. */
+INLINE float32x4_t bf16x4(const uint16_t *p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
+
+/* 4 weights as fp32: fp32 loaded, bf16 widened. */
 INLINE float32x4_t neon_load4(const void *w, int is_bf16, int64_t k) {
-    return is_bf16 ? vreinterpretq_f32_u32(vshll_n_u16(vld1_u16((const uint16_t *)w + k), 16))
-                   : vld1q_f32((const float *)w + k);
+    return is_bf16 ? bf16x4((const uint16_t *)w + k) : vld1q_f32((const float *)w + k);
 }
 
 /* The float formats against fp32 activations (bf16 weights widened, as the AVX2 loop: the activations are not
@@ -65,6 +67,13 @@ INLINE int8x16_t q8_signed(uint8x16_t v) { return vreinterpretq_s8_u8(veorq_u8(v
 INLINE int8x16_t q4_low(uint8x16_t v) { return vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(0x0f))); }
 INLINE int8x16_t q4_high(uint8x16_t v) { return vreinterpretq_s8_u8(vshrq_n_u8(v, 4)); }
 
+/* Zeroes the tile's accumulators of its first mm activation rows. */
+INLINE void neon_zero(float32x4_t acc[MB][4], int mm) {
+    for (int r = 0; r < mm; r++)
+        for (int j = 0; j < 4; j++)
+            acc[r][j] = vdupq_n_f32(0.0f);
+}
+
 /* The tile's 16 results of one row, columns past `valid` padding, to y. */
 INLINE void neon_store(float *y, const float32x4_t acc[4], const float *mul, const float *bias, int valid) {
     float res[TILE];
@@ -79,9 +88,7 @@ INLINE void q8_tile(const uint8_t *w, const float *ws, const acts *a, const int6
                     float *y, int64_t ldy, const float *bias, int valid) {
     int64_t blocks = K / QB;
     float32x4_t acc[MB][4];
-    for (int r = 0; r < mm; r++)
-        for (int j = 0; j < 4; j++)
-            acc[r][j] = vdupq_n_f32(0.0f);
+    neon_zero(acc, mm);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *wb = w + b * QB * TILE;
         for (int64_t line = 0; line < QB * TILE; line += 64) /* the block's 1 KB, 8 KB on */
@@ -114,18 +121,16 @@ INLINE void q4_tile(const uint8_t *w, const uint16_t *sz, int64_t g, const acts 
                     int64_t K, float *y, int64_t ldy, const float *bias, int valid) {
     int64_t G = K / g;
     float32x4_t acc[MB][4];
-    for (int r = 0; r < mm; r++)
-        for (int j = 0; j < 4; j++)
-            acc[r][j] = vdupq_n_f32(0.0f);
+    neon_zero(acc, mm);
     for (int64_t jg = 0; jg < G; jg++) {
         const uint8_t *wg = w + jg * g / 2 * TILE;
         for (int64_t line = 0; line < g / 2 * TILE; line += 64)
             __builtin_prefetch((const char *)wg + PREFETCH_BYTES + line, 0, 3);
         float32x4_t scale[4], zero8[4];
         for (int j = 0; j < 4; j++) {
-            scale[j] = vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(sz + jg * TILE + 4 * j), 16));
-            float32x4_t zero = vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(sz + (G + jg) * TILE + 4 * j), 16));
-            zero8[j] = vfmsq_f32(zero, vdupq_n_f32(8.0f), scale[j]); /* the offset's and the zero's share */
+            scale[j] = bf16x4(sz + jg * TILE + 4 * j);
+            /* the offset's and the zero's share */
+            zero8[j] = vfmsq_f32(bf16x4(sz + (G + jg) * TILE + 4 * j), vdupq_n_f32(8.0f), scale[j]);
         }
         for (int r = 0; r < mm; r++) {
             const int8_t *x = a->q + rows[r] * K + jg * g;
