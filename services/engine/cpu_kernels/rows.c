@@ -47,6 +47,13 @@
 #ifndef PREFETCH_HINT_INT
 #define PREFETCH_HINT_INT _MM_HINT_T1
 #endif
+/* The 256-bit one-row float loops do not prefetch: on a Zen 3 guest (AVX2 only; one process alternating
+ * builds, 256 MB of weights, one thread) fp32 streamed 13.2 GB/s without against 11.3 at 8 KB ahead, bf16
+ * 10.6 against 9.5 (at 512 B: 11.1 and 11.3), its hardware prefetchers alone doing better. Untimed on an
+ * Intel CPU without AVX-512; -DPREFETCH_BYTES_AVX2_FLOAT=8192 in HINTSERVE_KERNEL_FLAGS tries one there. */
+#ifndef PREFETCH_BYTES_AVX2_FLOAT
+#define PREFETCH_BYTES_AVX2_FLOAT 0
+#endif
 #define SPLIT_MAX 4 /* activation rows up to which each row's integer dot products run on two chains */
 
 
@@ -102,11 +109,13 @@ INLINE void avx2_dots(const void *w, int is_bf16, const acts *a, const int64_t *
     if (mm == 1) { /* one row: four chains, so the FMA latency never paces the stream (K is a multiple of 64) */
         __m256 a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
         for (int64_t k = 0; k < K; k += 32) {
+#if PREFETCH_BYTES_AVX2_FLOAT > 0
             if (is_bf16)
-                _mm_prefetch((const char *)((const uint16_t *)w + k) + 2 * PREFETCH_BYTES, PREFETCH_HINT);
+                _mm_prefetch((const char *)((const uint16_t *)w + k) + PREFETCH_BYTES_AVX2_FLOAT, PREFETCH_HINT);
             else /* fp32: this step's two lines (as the AVX-512 loop's four) */
                 for (int line = 0; line < 128; line += 64)
-                    _mm_prefetch((const char *)((const float *)w + k) + 2 * PREFETCH_BYTES + line, PREFETCH_HINT);
+                    _mm_prefetch((const char *)((const float *)w + k) + PREFETCH_BYTES_AVX2_FLOAT + line, PREFETCH_HINT);
+#endif
             acc[0] = _mm256_fmadd_ps(load8(w, is_bf16, k), _mm256_loadu_ps(x[0] + k), acc[0]);
             a1 = _mm256_fmadd_ps(load8(w, is_bf16, k + 8), _mm256_loadu_ps(x[0] + k + 8), a1);
             a2 = _mm256_fmadd_ps(load8(w, is_bf16, k + 16), _mm256_loadu_ps(x[0] + k + 16), a2);
