@@ -702,3 +702,24 @@ def test_hintserve_machinery_goes_quiet_while_the_cache_holds_everything_and_ret
         assert planned and provider.stats.misses and sum(provider.stats.misses) > 0
     finally:
         engine.close()
+
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_a_split_bf16_expert_computes_what_the_whole_one_does(rows: int) -> None:
+    """A split expert's down half runs the kernels' projection of its fp32 activation, as the whole expert does
+    (torch's bf16 linear rounded the activation to bf16: the grid's bf16 batch-16 hintserve row changed tokens)."""
+    from services.engine import cpu_kernels
+    from services.engine.cpu_threads import intra_op_threads
+    from services.engine.expert_provider import ExpertWeights
+    from services.engine.models.moe import expert_activation, expert_down, expert_forward
+
+    g = torch.Generator().manual_seed(3)
+    gate_up = (torch.randn(256, 128, generator=g) / 12).to(torch.bfloat16)
+    down = (torch.randn(128, 128, generator=g) / 12).to(torch.bfloat16)
+    x = torch.randn(rows, 128, generator=g)
+    with intra_op_threads(1):  # the engine core's setting, under which its CPU experts run the kernels
+        if not cpu_kernels.usable(x):
+            pytest.skip("no native CPU kernels here")
+        whole = expert_forward(x, ExpertWeights(gate_up, down))
+        assert torch.equal(expert_down(expert_activation(x, gate_up), down, torch.float32), whole)
