@@ -704,7 +704,6 @@ def test_hintserve_machinery_goes_quiet_while_the_cache_holds_everything_and_ret
         engine.close()
 
 
-
 @pytest.mark.parametrize("rows", [1, 3, 16])
 def test_a_split_bf16_expert_computes_what_the_whole_one_does(rows: int) -> None:
     """A split expert's down half runs the kernels' projection of its fp32 activation, as the whole expert does

@@ -528,22 +528,6 @@ INLINE void q8_dots(const uint8_t *w, const int8_t *x, int64_t k0, int64_t k1, _
     *hi = _mm256_add_epi32(h0, h1);
 }
 
-/* int4: the same over one group; bytes hold inputs t (low nibble) and 4 + t (high) of each 8. */
-INLINE void q4_dots(const uint8_t *w, const int8_t *x, int64_t k0, int64_t k1, __m256i *lo, __m256i *hi) {
-    const __m256i low = _mm256_set1_epi8(0x0f);
-    __m256i l = _mm256_setzero_si256(), h = l, l1 = l, h1 = l; /* low and high nibbles on two chains */
-    for (int64_t k = k0; k < k1; k += 8) {
-        __m256i p0 = _mm256_loadu_si256((const __m256i *)(w + k / 2 * TILE));
-        __m256i p1 = _mm256_loadu_si256((const __m256i *)(w + k / 2 * TILE + 32));
-        __m256i xa = bcast4(x + k), xb = bcast4(x + k + 4);
-        l = _mm256_dpbusd_avx_epi32(l, _mm256_and_si256(p0, low), xa);
-        l1 = _mm256_dpbusd_avx_epi32(l1, _mm256_and_si256(_mm256_srli_epi16(p0, 4), low), xb);
-        h = _mm256_dpbusd_avx_epi32(h, _mm256_and_si256(p1, low), xa);
-        h1 = _mm256_dpbusd_avx_epi32(h1, _mm256_and_si256(_mm256_srli_epi16(p1, 4), low), xb);
-    }
-    *lo = _mm256_add_epi32(l, l1);
-    *hi = _mm256_add_epi32(h, h1);
-}
 #define Q8_PREP(w, k0, k1, prep) ((void)(prep))
 #define Q8_DOTS(w, prep, x, k0, k1, lo, hi) q8_dots(w, x, k0, k1, lo, hi)
 #define Q8_SIGNED 0 /* dot products of w + 128: the correction applies */
@@ -556,7 +540,8 @@ INLINE void q4_dots(const uint8_t *w, const int8_t *x, int64_t k0, int64_t k1, _
  * A block's |w| and w are made once, into `prep` (L1), for every activation row after the first; one row
  * makes them inline. The loop before this one widened the weights to i16 (vpmovzxbw + vpmaddwd) per row: on
  * a Zen 3 guest, one thread, a 1536 x 256 matrix in cache, best of runs, 16 rows took 179 us against 146 now
- * (one row 17.8 against 16.0). */
+ * (one row 17.8 against 16.0). int4 (q4_dots, below) keeps cutting its nibbles per row: made once per group
+ * into L1, or summed four steps in i16 before each vpmaddwd, it ran 10-20% slower at 16 rows there. */
 INLINE void q8_vecs(const uint8_t *w, int64_t k, __m256i *v) { /* |w| and w of rows 0-7, then 8-15 */
     const __m256i flip = _mm256_set1_epi8((char)0x80);
     __m256i s0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + k * TILE)), flip);
@@ -602,32 +587,47 @@ INLINE void q8_dots(const uint8_t *w, const __m256i *prep, const int8_t *x, int6
     *hi = _mm256_add_epi32(h0, h1);
 }
 
-/* int4: one activation row's over one group; bytes hold inputs t (low nibble) and 4 + t (high) of each 8.
- * Nibbles (0..15) times int8: a vpmaddubsw pair is at most 2 * 15 * 127 and the low and high halves' pairs
- * added 7620, exact in i16; vpmaddwd by ones then sums each row's two pairs into its i32 lane. Unlike int8,
- * the nibbles are cut out again for each row: made once per group into L1 and loaded per row, or summed four
- * steps in i16 before each vpmaddwd, int4 at 16 rows ran 10-20% slower on a Zen 3 guest (best of runs). */
+#define Q8_PREP(w, k0, k1, prep) q8_prep(w, k0, k1, prep)
+#define Q8_DOTS(w, prep, x, k0, k1, lo, hi) q8_dots(w, prep, x, k0, k1, lo, hi)
+#define Q8_SIGNED 1
+#endif
+
+/* int4: the same over one group; bytes hold inputs t (low nibble) and 4 + t (high) of each 8. */
 INLINE void q4_dots(const uint8_t *w, const int8_t *x, int64_t k0, int64_t k1, __m256i *lo, __m256i *hi) {
-    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const __m256i low = _mm256_set1_epi8(0x0f);
     __m256i l = _mm256_setzero_si256(), h = l;
+#if defined(HAVE_AVXVNNI)
+    __m256i l1 = l, h1 = l; /* low and high nibbles on two chains */
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
     for (int64_t k = k0; k < k1; k += 8) {
         __m256i p0 = _mm256_loadu_si256((const __m256i *)(w + k / 2 * TILE));
         __m256i p1 = _mm256_loadu_si256((const __m256i *)(w + k / 2 * TILE + 32));
         __m256i xa = bcast4(x + k), xb = bcast4(x + k + 4);
         __m256i p0l = _mm256_and_si256(p0, low), p0h = _mm256_and_si256(_mm256_srli_epi16(p0, 4), low);
         __m256i p1l = _mm256_and_si256(p1, low), p1h = _mm256_and_si256(_mm256_srli_epi16(p1, 4), low);
+#if defined(HAVE_AVXVNNI)
+        l = _mm256_dpbusd_avx_epi32(l, p0l, xa);
+        l1 = _mm256_dpbusd_avx_epi32(l1, p0h, xb);
+        h = _mm256_dpbusd_avx_epi32(h, p1l, xa);
+        h1 = _mm256_dpbusd_avx_epi32(h1, p1h, xb);
+#else
+        /* Nibbles (0..15) times int8: a vpmaddubsw pair is at most 2 * 15 * 127 and the low and high halves'
+         * pairs added 7620, exact in i16; vpmaddwd by ones then sums each row's two pairs into its i32 lane. */
         l = _mm256_add_epi32(l, _mm256_madd_epi16(
                                     _mm256_add_epi16(_mm256_maddubs_epi16(p0l, xa), _mm256_maddubs_epi16(p0h, xb)), ones));
         h = _mm256_add_epi32(h, _mm256_madd_epi16(
                                     _mm256_add_epi16(_mm256_maddubs_epi16(p1l, xa), _mm256_maddubs_epi16(p1h, xb)), ones));
+#endif
     }
+#if defined(HAVE_AVXVNNI)
+    l = _mm256_add_epi32(l, l1);
+    h = _mm256_add_epi32(h, h1);
+#endif
     *lo = l;
     *hi = h;
 }
-#define Q8_PREP(w, k0, k1, prep) q8_prep(w, k0, k1, prep)
-#define Q8_DOTS(w, prep, x, k0, k1, lo, hi) q8_dots(w, prep, x, k0, k1, lo, hi)
-#define Q8_SIGNED 1
-#endif
 
 /* The tile's float results (16 lanes, those past `valid` padding) to y. */
 INLINE void store_tile(float *y, const float *res, const float *mul, float sub, const float *bias, int valid) {

@@ -76,9 +76,9 @@ def expert_down(h: torch.Tensor, down: torch.Tensor, out_dtype: torch.dtype) -> 
     second call, so a split bf16 expert gives its tokens exactly; torch's bf16 linear rounded h to bf16)."""
     matrix = formats.as_cpu_matrix(down) if cpu_kernels.usable(h) else None
     if matrix is not None:
-        y = formats.matmul(h if h.is_contiguous() else h.contiguous(), matrix)
-        return y if y.dtype == out_dtype else y.to(out_dtype)
-    y = F.linear(h if h.dtype == down.dtype else h.to(down.dtype), down)  # a native host half gives fp32
+        y = formats.matmul(h, matrix)
+    else:
+        y = F.linear(h if h.dtype == down.dtype else h.to(down.dtype), down)  # a native host half gives fp32
     return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
