@@ -18,6 +18,7 @@ from services.engine.models.spec import ModelSpec
 from services.engine.models.weights import NonExpertWeights, WeightReader
 from services.engine.offload.assembler import OffloadParts, assemble_provider
 from services.engine.offload.cost_model import PlacementCosts, measure_costs
+from services.engine.offload.cuda_link import CudaLink
 from services.engine.offload.host_executor import HostExecutor
 from services.engine.offload.host_store import HostExpertStore
 from services.engine.offload.hybrid_setup import is_hybrid
@@ -35,8 +36,6 @@ log = logging.getLogger(__name__)
 def make_link(settings: OffloadSettings, spec: ExpertGeometry, dtype: torch.dtype, reference_bytes: int) -> Link:
     """`reference_bytes`: the unquantized expert, whose transfer the emulated link's ratio prices."""
     if settings.link == "native":
-        from services.engine.offload.cuda_link import CudaLink
-
         return CudaLink(settings.device)
     if settings.link_bytes_per_second is not None:
         return EmulatedLink(settings.link_bytes_per_second)
@@ -85,11 +84,7 @@ def build_expert_provider(
                  costs.device(1) * 1e3, costs.host(1) * 1e3, costs.link * 1e3)
         if not cuda and isinstance(link, EmulatedLink):  # the emulated host and link read one DRAM
             costs = _one_dram(costs, link, reference, store.expert_bytes)
-    fence = None
-    if settings.link == "native":
-        from services.engine.offload.cuda_link import CudaLink
-
-        fence = CudaLink.compute_fence
+    fence = link.compute_fence if isinstance(link, CudaLink) else None
 
     def transfers(stats: OffloadStats) -> TransferEngine:
         return TransferEngine(link, stats)

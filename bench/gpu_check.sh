@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU checks, in one run on a CUDA machine (CI never has one): tests/gpu, then the offload benchmark over
+# the native link (pinned host store, copy stream, events) with transfer-only and hybrid policies side by side.
+# Usage: bash bench/gpu_check.sh [out_dir]   (default bench/results/gpu; each step has its own time limit)
+set -u -o pipefail
+out=${1:-bench/results/gpu}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+py=${PYTHON:-python3}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/machine.txt"
+$py -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name())" \
+    | tee -a "$out/machine.txt"
+nproc | tee -a "$out/machine.txt"
+
+timeout "${TESTS_TIMEOUT:-240}" $py -m pytest tests/gpu -q -rfEs -p no:cacheprovider --timeout 120 2>&1 \
+    | tee "$out/tests_gpu.log"
+echo "tests/gpu exit: $?" | tee -a "$out/machine.txt"
+
+timeout "${BENCH_TIMEOUT:-240}" $py -m services.cli bench offload --device cuda --link native \
+    --policies "${POLICIES:-lru,hintserve-transfer,cpu-experts,ktransformers,fiddler,hintserve}" \
+    --cache 25% --batch "${BATCH:-1,4}" --new-tokens 16 --json "$out/offload_cuda.json" 2>&1 \
+    | grep -v "it/s\]\|s/it\]" | tee "$out/offload_cuda.log"
+echo "bench offload exit: $?" | tee -a "$out/machine.txt"
+
+# Real shapes (REAL_SHAPE=1): a random Qwen3-30B-A3B-shape checkpoint (4 layers, 9.4 MB bf16 experts) built
+# there, then the same policies: what the link and the host cores give when experts are not tiny.
+if [ "${REAL_SHAPE:-0}" = 1 ]; then
+    mkdir -p "$out/real"
+    model=${REAL_MODEL_DIR:-/tmp/hintserve-qwen3-4l}
+    [ -f "$model/config.json" ] || $py -m services.cli demo-model build --shape qwen3-30b-a3b --layers 4 --random \
+        --out "$model" 2>&1 | grep -v "it/s\]\|s/it\]" | tail -3
+    timeout "${REAL_TIMEOUT:-240}" $py -m services.cli bench offload --model "$model" --device cuda --link native \
+        --policies "${REAL_POLICIES:-lru,hintserve-transfer,fiddler,hintserve}" --cache "${REAL_CACHE:-25%}" \
+        --batch "${REAL_BATCH:-1,4}" --new-tokens 16 --json "$out/real/offload_cuda_qwen3.json" 2>&1 \
+        | grep -v "it/s\]\|s/it\]" | tee "$out/real/offload_cuda_qwen3.log"
+    echo "real-shape bench offload exit: $?" | tee -a "$out/machine.txt"
+fi
