@@ -277,19 +277,24 @@ def test_rms_norm_with_the_residual_add_fused() -> None:
     torch.testing.assert_close(normed, attention.rms_norm(x + delta, weight, 1e-5))
 
 
-def test_rope_write_kv_matches_apply_rope_and_write_kv() -> None:
+@pytest.mark.parametrize("head_norms", [False, True], ids=["plain", "qwen3-head-norms"])
+def test_rope_write_kv_matches_apply_rope_and_write_kv(head_norms: bool) -> None:
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, dim, tokens, slots = 4, 2, 16, 6, 40
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g) * 3
     angles = torch.rand(50, dim // 2, generator=g).repeat(1, 2) * 6
     cos, sin = angles.cos(), angles.sin()
     positions, slot_ids = torch.tensor([0, 3, 9, 10, 48, 49]), torch.tensor([5, 0, 39, 17, 18, 2])
+    norms = (torch.rand(dim, generator=g) + 0.5, torch.rand(dim, generator=g) + 0.5) if head_norms else None
     heads_view = qkv.view(tokens, -1, dim)
-    want_qk = attention.apply_rope(heads_view[:, : heads + kv_heads], cos[positions], sin[positions])
+    q, k = heads_view[:, :heads], heads_view[:, heads : heads + kv_heads]
+    if norms is not None:  # what the torch path does for Qwen3 before rotating
+        q, k = attention.rms_norm(q, norms[0], 1e-6), attention.rms_norm(k, norms[1], 1e-6)
+    want_qk = attention.apply_rope(torch.cat((q, k), dim=1), cos[positions], sin[positions])
     want_k_cache, want_v_cache = torch.zeros(kv_heads, slots, dim), torch.zeros(kv_heads, slots, dim)
     write_kv(want_k_cache, want_v_cache, want_qk[:, heads:], heads_view[:, heads + kv_heads :], slot_ids)
     k_cache, v_cache = torch.zeros(kv_heads, slots, dim), torch.zeros(kv_heads, slots, dim)
-    cpu_kernels.rope_write_kv(qkv, heads, kv_heads, dim, cos, sin, positions, slot_ids, k_cache, v_cache)
+    cpu_kernels.rope_write_kv(qkv, heads, kv_heads, dim, cos, sin, positions, slot_ids, k_cache, v_cache, norms, 1e-6)
     torch.testing.assert_close(qkv.view(tokens, -1, dim)[:, : heads + kv_heads], want_qk)
     torch.testing.assert_close(k_cache, want_k_cache)
     torch.testing.assert_close(v_cache, want_v_cache)

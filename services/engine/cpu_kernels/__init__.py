@@ -123,7 +123,8 @@ def library() -> ctypes.CDLL | None:
     lib.hs_set_threads.argtypes = [ctypes.c_int]
     lib.hs_threads.restype = ctypes.c_int
     lib.rope_write_kv_f32.restype = ctypes.c_int
-    lib.rope_write_kv_f32.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64]
+    lib.rope_write_kv_f32.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64,
+                                      _ptr, _ptr, _f32]
     return lib
 
 
@@ -272,14 +273,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def rope_write_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor,
                   sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor) -> None:
+                  v_cache: torch.Tensor, head_norms: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  eps: float = 0.0) -> None:
     """Rotates qkv's q and k heads in place ([T, (Hq + 2 Hkv) * D], contiguous) and writes k and v to the
-    caches at `slots`: apply_rope and write_kv in one pass."""
+    caches at `slots`: apply_rope and write_kv in one pass. head_norms: (q_norm, k_norm) weights of [D] that
+    RMS-normalise each head first (Qwen3), with `eps`."""
     positions = positions.to(torch.int64).contiguous()
     slots = slots.to(torch.int64).contiguous()
+    q_norm, k_norm = head_norms if head_norms is not None else (None, None)
     status = loaded().rope_write_kv_f32(
         qkv.data_ptr(), qkv.shape[0], num_heads, num_kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
         cos.shape[0], positions.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        k_cache.shape[1])
+        k_cache.shape[1], None if q_norm is None else q_norm.data_ptr(),
+        None if k_norm is None else k_norm.data_ptr(), eps)
     if status != 0:
         raise ValueError("a position or KV slot is outside the model's tables or the cache")

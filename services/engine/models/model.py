@@ -59,9 +59,11 @@ class MoECausalLM:
                           spec.num_kv_heads * spec.head_dim)
         # The native CPU kernels' layer path: fp32 on the CPU (each step also asks for one torch thread).
         self.native_ready = device.type == "cpu" and dtype == torch.float32 and all(
-            n.dtype == torch.float32 for layer in weights.layers for n in (layer.input_norm, layer.post_attention_norm))
-        # q and k rotated in one pass over their heads (nothing to normalise or clip between projection and RoPE)
-        self.one_pass_rope = spec.mla is None and spec.qk_norm == "none" and spec.clip_qkv is None
+            n is None or (n.dtype == torch.float32 and n.is_contiguous()) for layer in weights.layers
+            for n in (layer.input_norm, layer.post_attention_norm, *_head_norms(layer.attention)))
+        # q and k rotated in one pass over their heads (nothing to clip between projection and RoPE; Qwen3's
+        # per-head norms run inside the native pass)
+        self.one_pass_rope = spec.mla is None and spec.qk_norm in ("none", "head") and spec.clip_qkv is None
 
     def allocate_kv_cache(self, num_slots: int) -> None:
         e, layers = self.w.embed, range(self.spec.num_layers)
@@ -159,20 +161,21 @@ class MoECausalLM:
         assert qkv_proj is not None  # None only for an MLA layer, which mla_attention runs
         qkv = qkv_proj(x)
         q_width, kv_width, _ = self.qkv_sizes
-        if self.one_pass_rope:
-            if rope is None:
-                cpu_kernels.rope_write_kv(qkv, spec.num_heads, spec.num_kv_heads, spec.head_dim, self.cos, self.sin,
-                                          positions, meta.slot_mapping, self.k_caches[i], self.v_caches[i])
-                q = qkv[:, :q_width].view(tokens, spec.num_heads, spec.head_dim)
-                k = qkv[:, q_width : q_width + kv_width].view(tokens, spec.num_kv_heads, spec.head_dim)
-                v = qkv[:, q_width + kv_width :].view(tokens, spec.num_kv_heads, spec.head_dim)
-                return self._attend(i, q, k, v, meta, written=True, output_rows=output_rows)
+        if rope is None:  # one native pass: Qwen3's head norms, the rotation, the KV write
+            norms = (a.q_norm, a.k_norm) if spec.qk_norm == "head" else None
+            cpu_kernels.rope_write_kv(qkv, spec.num_heads, spec.num_kv_heads, spec.head_dim, self.cos, self.sin,
+                                      positions, meta.slot_mapping, self.k_caches[i], self.v_caches[i], norms,
+                                      spec.rms_norm_eps)
+            q = qkv[:, :q_width].view(tokens, spec.num_heads, spec.head_dim)
+            k = qkv[:, q_width : q_width + kv_width].view(tokens, spec.num_kv_heads, spec.head_dim)
+            v = qkv[:, q_width + kv_width :].view(tokens, spec.num_kv_heads, spec.head_dim)
+            return self._attend(i, q, k, v, meta, written=True, output_rows=output_rows)
+        if self.one_pass_rope and spec.qk_norm == "none":
             cos, sin = rope
             qk = apply_rope(qkv[:, : q_width + kv_width].view(tokens, -1, spec.head_dim), cos, sin)
             q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
             v = qkv[:, q_width + kv_width :].view(tokens, spec.num_kv_heads, spec.head_dim)
             return self._attend(i, q, k, v, meta, output_rows=output_rows)
-        assert rope is not None  # only the one-pass path rotates from the full tables
         cos, sin = rope
         q, k, v = qkv.split(self.qkv_sizes, dim=-1)
         q_norm, k_norm = a.q_norm, a.k_norm
@@ -230,3 +233,8 @@ class MoECausalLM:
                 shared = torch.sigmoid(F.linear(x, layer.shared_expert_gate)) * shared
             out = out + shared
         return out
+
+
+def _head_norms(attention: AttentionWeights | MlaWeights) -> tuple[torch.Tensor | None, ...]:
+    """The q and k norm weights the native RoPE pass reads (none for MLA)."""
+    return (attention.q_norm, attention.k_norm) if isinstance(attention, AttentionWeights) else ()
