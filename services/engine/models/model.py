@@ -162,7 +162,10 @@ class MoECausalLM:
         qkv = qkv_proj(x)
         q_width, kv_width, _ = self.qkv_sizes
         if rope is None:  # one native pass: Qwen3's head norms, the rotation, the KV write
-            norms = (a.q_norm, a.k_norm) if spec.qk_norm == "head" else None
+            norms = None
+            if spec.qk_norm == "head":
+                assert a.q_norm is not None and a.k_norm is not None  # loaded whenever spec.qk_norm names them
+                norms = (a.q_norm, a.k_norm)
             cpu_kernels.rope_write_kv(qkv, spec.num_heads, spec.num_kv_heads, spec.head_dim, self.cos, self.sin,
                                       positions, meta.slot_mapping, self.k_caches[i], self.v_caches[i], norms,
                                       spec.rms_norm_eps)
