@@ -17,10 +17,15 @@ timeout "${TESTS_TIMEOUT:-240}" $py -m pytest tests/gpu -q -rfEs -p no:cacheprov
     | tee "$out/tests_gpu.log"
 echo "tests/gpu exit: $?" | tee -a "$out/machine.txt"
 
-timeout "${BENCH_TIMEOUT:-240}" $py -m services.cli bench offload --device cuda --link native \
-    --policies "${POLICIES:-lru,hintserve-transfer,cpu-experts,ktransformers,fiddler,hintserve}" \
-    --cache 25% --batch "${BATCH:-1,4}" --new-tokens 16 --json "$out/offload_cuda.json" 2>&1 \
-    | grep -v "it/s\]\|s/it\]" | tee "$out/offload_cuda.log"
+# offload_bench TIMEOUT MODEL POLICIES CACHE BATCH JSON: the native-link offload benchmark, its log beside JSON.
+offload_bench() {
+    timeout "$1" $py -m services.cli bench offload --model "$2" --device cuda --link native --policies "$3" \
+        --cache "$4" --batch "$5" --new-tokens 16 --json "$6" 2>&1 | grep -v "it/s\]\|s/it\]" | tee "${6%.json}.log"
+}
+
+offload_bench "${BENCH_TIMEOUT:-240}" models/demo-moe \
+    "${POLICIES:-lru,hintserve-transfer,cpu-experts,ktransformers,fiddler,hintserve}" 25% "${BATCH:-1,4}" \
+    "$out/offload_cuda.json"
 echo "bench offload exit: $?" | tee -a "$out/machine.txt"
 
 # Real shapes (REAL_SHAPE=1): a random Qwen3-30B-A3B-shape checkpoint (4 layers, 9.4 MB bf16 experts) built
@@ -30,9 +35,7 @@ if [ "${REAL_SHAPE:-0}" = 1 ]; then
     model=${REAL_MODEL_DIR:-/tmp/hintserve-qwen3-4l}
     [ -f "$model/config.json" ] || $py -m services.cli demo-model build --shape qwen3-30b-a3b --layers 4 --random \
         --out "$model" 2>&1 | grep -v "it/s\]\|s/it\]" | tail -3
-    timeout "${REAL_TIMEOUT:-240}" $py -m services.cli bench offload --model "$model" --device cuda --link native \
-        --policies "${REAL_POLICIES:-lru,hintserve-transfer,fiddler,hintserve}" --cache "${REAL_CACHE:-25%}" \
-        --batch "${REAL_BATCH:-1,4}" --new-tokens 16 --json "$out/real/offload_cuda_qwen3.json" 2>&1 \
-        | grep -v "it/s\]\|s/it\]" | tee "$out/real/offload_cuda_qwen3.log"
+    offload_bench "${REAL_TIMEOUT:-240}" "$model" "${REAL_POLICIES:-lru,hintserve-transfer,fiddler,hintserve}" \
+        "${REAL_CACHE:-25%}" "${REAL_BATCH:-1,4}" "$out/real/offload_cuda_qwen3.json"
     echo "real-shape bench offload exit: $?" | tee -a "$out/machine.txt"
 fi

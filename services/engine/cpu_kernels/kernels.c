@@ -305,13 +305,6 @@ void rms_norm_f32(const float *a, const float *add, const float *w, float eps, f
 
 /* Rotates the q and k heads of each token's fused projection row in place (rotate-half RoPE; cos and sin
  * tables [max_positions, D]) and writes k and v into the head-major caches [Hkv, S, D] at the token's slot. */
-static void head_rms_norm(float *x, const float *weight, int64_t D, float eps) {
-    float squares = 0.0f;
-    for (int64_t i = 0; i < D; i++) squares += x[i] * x[i];
-    float inverse = 1.0f / sqrtf(squares / (float)D + eps);
-    for (int64_t i = 0; i < D; i++) x[i] = x[i] * inverse * weight[i];
-}
-
 /* q_norm / k_norm (NULL: none): Qwen3's RMSNorm of each head, applied before the rotation. */
 int rope_write_kv_f32(float *qkv, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float *cos_table,
                       const float *sin_table, int64_t max_positions, const int64_t *positions, const int64_t *slots,
@@ -326,7 +319,7 @@ int rope_write_kv_f32(float *qkv, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
         for (int64_t head = 0; head < Hq + Hkv; head++) {
             float *x = row + head * D;
             const float *norm = head < Hq ? q_norm : k_norm;
-            if (norm) head_rms_norm(x, norm, D, eps);
+            if (norm) rms_norm_f32(x, NULL, norm, eps, NULL, x, 1, D); /* in place: one row of D */
             for (int64_t i = 0; i < half; i++) {
                 float x1 = x[i], x2 = x[i + half];
                 x[i] = x1 * c[i] - x2 * s[i];
