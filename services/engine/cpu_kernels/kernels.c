@@ -31,28 +31,42 @@ static inline float hsum(v16 v) { /* a tree: a sequential sum of lanes is one lo
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-/* Lane sums of 16 vectors at once: out[j] = hsum(p[j]), by pairwise folds that halve each vector's segment
- * (15 shuffle-adds for 16 sums, against 16 reduction trees). */
-static inline v16 hsum16(v16 p[16]) {
-    v16 q[8], r[4], s[2];
-    for (int j = 0; j < 8; j++)
-        q[j] = __builtin_shufflevector(p[2 * j], p[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-               __builtin_shufflevector(p[2 * j], p[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
-                                       30, 31);
-    for (int j = 0; j < 4; j++)
-        r[j] = __builtin_shufflevector(q[2 * j], q[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-               __builtin_shufflevector(q[2 * j], q[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-    for (int j = 0; j < 2; j++)
-        s[j] = __builtin_shufflevector(r[2 * j], r[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-               __builtin_shufflevector(r[2 * j], r[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-    return __builtin_shufflevector(s[0], s[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-           __builtin_shufflevector(s[0], s[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
-
 static inline float hmax(v16 v) {
     float m = v[0];
     for (int i = 1; i < VL; i++) m = v[i] > m ? v[i] : m;
     return m;
+}
+
+/* Loops that keep many accumulators work in the widest vector the core has (vn: VW floats): 16-float vectors
+ * held in arrays spill on AVX2, whose 16 ymm registers hold 8 of them, and GCC then moves each spilled half
+ * through general registers (decode attention on Zen 2: 5 us per position at Qwen3's 32 q / 4 kv heads). */
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+typedef float vn __attribute__((vector_size(VW * 4)));
+static inline vn vnload(const float *p) { vn v; memcpy(&v, p, sizeof v); return v; }
+static inline void vnstore(float *p, vn v) { memcpy(p, &v, sizeof v); }
+
+static inline v8 fold8(vn v) { /* a v8 whose lane sum is v's */
+#if VW == 16
+    return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    return v;
+#endif
+}
+
+/* The lane sums of 8 vectors: out[j] = sum of a_j's lanes (pairwise adds, the transpose of a reduction tree). */
+static inline v8 hsum8(v8 a0, v8 a1, v8 a2, v8 a3, v8 a4, v8 a5, v8 a6, v8 a7) {
+#define HADD(x, y) (__builtin_shufflevector(x, y, 0, 2, 8, 10, 4, 6, 12, 14) + \
+                    __builtin_shufflevector(x, y, 1, 3, 9, 11, 5, 7, 13, 15))
+    v8 t0 = HADD(a0, a1), t1 = HADD(a2, a3), t2 = HADD(a4, a5), t3 = HADD(a6, a7);
+    v8 u0 = HADD(t0, t1), u1 = HADD(t2, t3); /* [s0 s1 s2 s3 | s0' s1' s2' s3'] in two halves each */
+#undef HADD
+    return __builtin_shufflevector(u0, u1, 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(u0, u1, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
 /* exp(x) to about 1 ulp on [-87.3, 88.3] (Cephes' expf polynomial); below that range it returns ~1e-38, not 0. */
@@ -168,22 +182,12 @@ int moe_swiglu_f32(const float *x, const int64_t *ids, const float *weights, int
     return 0;
 }
 
-/* o[g] = sum over t of scores[g][t] * value row t, for a head size known at compile time. */
-#define weighted_values(HEAD_DIM)                                                                          \
-    do {                                                                                                   \
-        v16 sums[HEAD_DIM / VL];                                                                           \
-        for (int c = 0; c < HEAD_DIM / VL; c++) sums[c] = vsplat(0.0f);                                    \
-        for (int64_t t = 0; t < L; t++) {                                                                  \
-            const float *v = values + (table[t / block_size] * block_size + t % block_size) * HEAD_DIM;    \
-            float p = scores[g * L + t];                                                                   \
-            _Pragma("GCC unroll 8") for (int c = 0; c < HEAD_DIM / VL; c++) sums[c] += p * vload(v + c * VL); \
-        }                                                                                                  \
-        for (int c = 0; c < HEAD_DIM / VL; c++) vstore(o + g * HEAD_DIM + c * VL, sums[c]);               \
-    } while (0)
+#define KEYS 8 /* keys per block of the score loop: 8 accumulators, 8 lane sums from one hsum8 */
+#define VCHUNK 8 /* value vectors summed per pass over the scores: 8 accumulators */
 
 /* One new token per sequence against its paged context, read in place (no gather).
  * q: [B, Hq, D] at strides (q_sb, q_sh); k_cache, v_cache: [Hkv, S, D]; tables: [B, max_blocks] block ids;
- * lens: [B] context lengths (the new token included); out: [B, Hq, D] contiguous.
+ * lens: [B] context lengths (the new token included); out: [B, Hq, D] contiguous; D a multiple of 16.
  * scratch: G * max(lens) + D floats, G = Hq / Hkv. Returns 0, or -1 on a slot outside the cache. */
 int paged_decode_attention_f32(const float *q, int64_t q_sb, int64_t q_sh, const float *k_cache,
                                const float *v_cache, int64_t S, const int64_t *tables, int64_t max_blocks,
@@ -198,47 +202,57 @@ int paged_decode_attention_f32(const float *q, int64_t q_sb, int64_t q_sh, const
         }
         max_len = lens[b] > max_len ? lens[b] : max_len;
     }
-    float *scores = scratch, *acc = scratch + G * max_len;
+    float *scores = scratch;
     for (int64_t b = 0; b < B; b++) {
         int64_t L = lens[b];
         const int64_t *table = tables + b * max_blocks;
         for (int64_t h = 0; h < Hkv; h++) {
             const float *keys = k_cache + h * S * D, *values = v_cache + h * S * D;
             const float *qh = q + b * q_sb + h * G * q_sh;
-            int64_t t = 0;
-            for (; t + VL <= L; t += VL) {  /* 16 keys at a time: their 16 dot products summed in one fold */
-                const float *k[VL];
-                for (int j = 0; j < VL; j++) {
-                    int64_t slot = table[(t + j) / block_size] * block_size + (t + j) % block_size;
-                    k[j] = keys + slot * D;
-                    /* Blocks sit anywhere in the cache, a page each: the prefetchers stop at page edges, so
-                     * the next 16 keys and these 16 values (read after the softmax) are fetched from here. */
-                    int64_t next = t + VL + j < L ? t + VL + j : L - 1;
-                    const float *k_next = keys + (table[next / block_size] * block_size + next % block_size) * D;
-                    for (int64_t d = 0; d < D; d += VL) {
-                        __builtin_prefetch(k_next + d, 0, TO_L2);
-                        __builtin_prefetch(values + slot * D + d, 0, TO_L2);
+            /* Walked a KV block at a time: its rows are contiguous, and no division per position. */
+            for (int64_t t0 = 0; t0 < L; t0 += block_size) {
+                int64_t n = L - t0 < block_size ? L - t0 : block_size;
+                const float *block_keys = keys + table[t0 / block_size] * block_size * D;
+                const float *block_values = values + table[t0 / block_size] * block_size * D;
+                /* Blocks sit anywhere in the cache, a page or more each: the prefetchers stop at page edges, so
+                 * the next block's keys and this block's values (read after the softmax) are fetched from here. */
+                const float *next_keys = t0 + block_size < L ? keys + table[t0 / block_size + 1] * block_size * D
+                                                             : NULL;
+                int64_t i = 0;
+                for (; i + KEYS <= n; i += KEYS) {
+                    const float *k = block_keys + i * D;
+                    for (int64_t d = 0; d < KEYS * D; d += 16) {
+                        if (next_keys) __builtin_prefetch(next_keys + i * D + d, 0, TO_L2);
+                        __builtin_prefetch(block_values + i * D + d, 0, TO_L2);
+                    }
+                    for (int64_t g = 0; g < G; g++) {
+                        const float *qg = qh + g * q_sh;
+                        vn a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
+                        for (int64_t d = 0; d < D; d += VW) {
+                            vn x = vnload(qg + d);
+                            a0 += x * vnload(k + d), a1 += x * vnload(k + D + d);
+                            a2 += x * vnload(k + 2 * D + d), a3 += x * vnload(k + 3 * D + d);
+                            a4 += x * vnload(k + 4 * D + d), a5 += x * vnload(k + 5 * D + d);
+                            a6 += x * vnload(k + 6 * D + d), a7 += x * vnload(k + 7 * D + d);
+                        }
+                        v8 s = hsum8(fold8(a0), fold8(a1), fold8(a2), fold8(a3), fold8(a4), fold8(a5), fold8(a6),
+                                     fold8(a7)) * scale;
+                        memcpy(scores + g * L + t0 + i, &s, sizeof s);
                     }
                 }
-                for (int64_t g = 0; g < G; g++) {
-                    const float *qg = qh + g * q_sh;
-                    v16 dots[VL];
-                    for (int j = 0; j < VL; j++) {
-                        dots[j] = vload(qg) * vload(k[j]);
-                        for (int64_t d = VL; d < D; d += VL) dots[j] += vload(qg + d) * vload(k[j] + d);
+                for (; i < n; i++) {
+                    const float *k = block_keys + i * D;
+                    for (int64_t g = 0; g < G; g++) {
+                        const float *qg = qh + g * q_sh;
+                        vn dot = {0};
+                        for (int64_t d = 0; d < D; d += VW) dot += vnload(qg + d) * vnload(k + d);
+                        v8 f = fold8(dot);
+                        scores[g * L + t0 + i] = ((f[0] + f[4]) + (f[1] + f[5]) + ((f[2] + f[6]) + (f[3] + f[7]))) *
+                                                 scale;
                     }
-                    vstore(scores + g * L + t, hsum16(dots) * scale);
                 }
             }
-            for (; t < L; t++) {
-                const float *k = keys + (table[t / block_size] * block_size + t % block_size) * D;
-                for (int64_t g = 0; g < G; g++) {
-                    const float *qg = qh + g * q_sh;
-                    v16 dot = vload(qg) * vload(k);
-                    for (int64_t d = VL; d < D; d += VL) dot += vload(qg + d) * vload(k + d);
-                    scores[g * L + t] = hsum(dot) * scale;
-                }
-            }
+            int64_t t;
             for (int64_t g = 0; g < G; g++) {  /* softmax, in place: max, exp and sum, then 1 / sum at the end */
                 float *s = scores + g * L;
                 v16 mv = vsplat(s[0]);
@@ -264,18 +278,25 @@ int paged_decode_attention_f32(const float *q, int64_t q_sb, int64_t q_sh, const
             }
             float *o = out + (b * Hq + h * G) * D;
             for (int64_t g = 0; g < G; g++) {
-                switch (D) {  /* the usual head sizes keep their sums in registers */
-                case 32: weighted_values(32); break;
-                case 64: weighted_values(64); break;
-                case 128: weighted_values(128); break;
-                default:
-                    memset(acc, 0, (size_t)D * sizeof(float));
-                    for (int64_t t = 0; t < L; t++) {
-                        const float *v = values + (table[t / block_size] * block_size + t % block_size) * D;
-                        float p = scores[g * L + t];
-                        for (int64_t d = 0; d < D; d += VL) vstore(acc + d, vload(acc + d) + p * vload(v + d));
+                const float *p = scores + g * L;
+                for (int64_t c = 0; c < D; c += VCHUNK * VW) { /* o[g] = sum over t of p[t] * value row t */
+                    vn acc[VCHUNK] = {0};
+                    int chunk = (int)((D - c) / VW < VCHUNK ? (D - c) / VW : VCHUNK);
+                    for (int64_t t0 = 0; t0 < L; t0 += block_size) {
+                        int64_t n = L - t0 < block_size ? L - t0 : block_size;
+                        const float *v = values + table[t0 / block_size] * block_size * D + c;
+                        const float *pt = p + t0;
+                        if (chunk == VCHUNK) {
+                            for (int64_t i = 0; i < n; i++, v += D) {
+#pragma GCC unroll 8
+                                for (int j = 0; j < VCHUNK; j++) acc[j] += pt[i] * vnload(v + j * VW);
+                            }
+                        } else {
+                            for (int64_t i = 0; i < n; i++, v += D)
+                                for (int j = 0; j < chunk; j++) acc[j] += pt[i] * vnload(v + j * VW);
+                        }
                     }
-                    memcpy(o + g * D, acc, (size_t)D * sizeof(float));
+                    for (int j = 0; j < chunk; j++) vnstore(o + g * D + c + j * VW, acc[j]);
                 }
             }
         }
@@ -336,38 +357,45 @@ int rope_write_kv_f32(float *qkv, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
 
 /* y[M, N] = x[M, K] @ w[N, K]^T for M <= 4: torch's Linear layout, as the offload store keeps experts (each
  * expert a contiguous block its cache slot and the link move whole). Each output is a dot product over K:
- * a block of R weight rows against the M tokens fills R * M <= 16 accumulators, whose lane sums come out of
- * one hsum16 fold. The block's rows are read once from memory (the next block prefetched into L2). */
+ * a block of R weight rows against the M tokens fills R * M = NACC accumulators, as many as the registers
+ * hold beside the loads (16 zmm, 8 ymm), whose lane sums come out of hsum8 folds. The block's rows are read
+ * once from memory (the next block prefetched into L2). */
+#define NACC (VW == 16 ? 16 : 8)
 static inline __attribute__((always_inline)) void gemm_nt_block(const float *x, int64_t ldx, const float *w,
                                                                 float *y, int64_t ldy, int64_t M, int64_t K,
                                                                 int64_t n, const int R) {
-    v16 acc[16];
-    for (int j = 0; j < 16; j++) acc[j] = vsplat(0.0f);
+    vn acc[NACC];
+    for (int j = 0; j < NACC; j++) acc[j] = (vn){0};
     const float *wn = w + n * K;
-    for (int64_t k = 0; k < K; k += VL) {
-        v16 xv[4];
-        for (int m = 0; m < 16 / R; m++) xv[m] = vload(x + (m < M ? m : 0) * ldx + k);
+    for (int64_t k = 0; k < K; k += VW) {
+        vn xv[4];
+        for (int m = 0; m < NACC / R; m++) xv[m] = vnload(x + (m < M ? m : 0) * ldx + k);
 #pragma GCC unroll 16
         for (int r = 0; r < R; r++) {
-            v16 wv = vload(wn + r * K + k);
-            __builtin_prefetch(wn + (R + r) * K + k, 0, TO_L2);
+            vn wv = vnload(wn + r * K + k);
+            if (k % 16 == 0) __builtin_prefetch(wn + (R + r) * K + k, 0, TO_L2);
 #pragma GCC unroll 4
-            for (int m = 0; m < 16 / R; m++) acc[r * (16 / R) + m] += wv * xv[m];
+            for (int m = 0; m < NACC / R; m++) acc[r * (NACC / R) + m] += wv * xv[m];
         }
     }
-    v16 sums = hsum16(acc);
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) y[m * ldy + n + r] = sums[r * (16 / R) + m];
+    for (int j0 = 0; j0 < NACC; j0 += 8) {
+        v8 sums = hsum8(fold8(acc[j0]), fold8(acc[j0 + 1]), fold8(acc[j0 + 2]), fold8(acc[j0 + 3]),
+                        fold8(acc[j0 + 4]), fold8(acc[j0 + 5]), fold8(acc[j0 + 6]), fold8(acc[j0 + 7]));
+        for (int j = 0; j < 8; j++) {
+            int r = (j0 + j) / (NACC / R), m = (j0 + j) % (NACC / R);
+            if (m < M) y[m * ldy + n + r] = sums[j];
+        }
+    }
 }
 
 static void gemm_nt(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int64_t M, int64_t K,
                     int64_t N) {
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
         int64_t m = M - m0 < 4 ? M - m0 : 4;
-        for (int64_t n = 0; n < N; n += 16 / (m > 2 ? 4 : m)) {
-            if (m == 1) gemm_nt_block(x + m0 * ldx, ldx, w, y + m0 * ldy, ldy, 1, K, n, 16);
-            else if (m == 2) gemm_nt_block(x + m0 * ldx, ldx, w, y + m0 * ldy, ldy, 2, K, n, 8);
-            else gemm_nt_block(x + m0 * ldx, ldx, w, y + m0 * ldy, ldy, m, K, n, 4);
+        for (int64_t n = 0; n < N; n += NACC / (m > 2 ? 4 : m)) {
+            if (m == 1) gemm_nt_block(x + m0 * ldx, ldx, w, y + m0 * ldy, ldy, 1, K, n, NACC);
+            else if (m == 2) gemm_nt_block(x + m0 * ldx, ldx, w, y + m0 * ldy, ldy, 2, K, n, NACC / 2);
+            else gemm_nt_block(x + m0 * ldx, ldx, w, y + m0 * ldy, ldy, m, K, n, NACC / 4);
         }
     }
 }
