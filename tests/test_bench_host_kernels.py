@@ -6,8 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
+from services.bench import host_kernels
 from services.cli import main
+from services.engine import cpu_kernels
+from services.engine.cpu_threads import use_threads
 
 
 def test_every_case_reports_gbs_against_its_probe(tmp_path: Path) -> None:
@@ -40,3 +44,26 @@ def test_bad_arguments_exit_2_with_one_line(bad: list[str], tmp_path: Path, caps
     assert main(["bench", "host-kernels", *bad, "--json", str(tmp_path / "x.json")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "error" in err[0]
+
+
+@pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler: the kernels are off here")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_native_read_probe_reads_every_line_once(threads: int) -> None:
+    words = torch.randint(0, 1 << 20, (3 * (4 << 20) // 8,), generator=torch.Generator().manual_seed(0))
+    lines = words.view(-1, 8)
+    expected = (lines[:, :4] ^ lines[:, 4:]).sum().item()  # small values: no wrap-around
+    use_threads(threads)
+    try:
+        assert cpu_kernels.read_probe(words) == expected
+    finally:
+        use_threads(1)
+
+
+@pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler: the kernels are off here")
+def test_the_probe_takes_the_faster_of_torchs_sum_and_the_native_read(monkeypatch) -> None:
+    buffer = torch.ones(1 << 20)
+    calls = []
+    monkeypatch.setattr(host_kernels, "_timed", lambda fn: calls.append(fn) or (1.0 if len(calls) <= 2 else 0.5))
+    gbs = host_kernels.bandwidth_probe(buffer, 1, repeats=2)
+    assert gbs == pytest.approx(buffer.numel() * 4 / 0.5 / 1e9)  # the native read's (second) timings
+    assert calls[0] == buffer.sum and calls[2] != buffer.sum

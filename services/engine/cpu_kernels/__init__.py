@@ -122,6 +122,8 @@ def library() -> ctypes.CDLL | None:
     lib.hs_set_threads.restype = ctypes.c_int
     lib.hs_set_threads.argtypes = [ctypes.c_int]
     lib.hs_threads.restype = ctypes.c_int
+    lib.hs_read_probe.restype = ctypes.c_uint64
+    lib.hs_read_probe.argtypes = [_ptr, _i64]
     lib.rope_write_kv_f32.restype = ctypes.c_int
     lib.rope_write_kv_f32.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64,
                                       _ptr, _ptr, _f32]
@@ -154,6 +156,12 @@ def pool_threads() -> int | None:
     """The pool's size, or None without the kernels (torch then has every thread already)."""
     lib = library()
     return None if lib is None else lib.hs_threads()
+
+
+def read_probe(buffer: torch.Tensor) -> int:
+    """Reads `buffer` once on the pool, four streams a thread (bench host-kernels' bandwidth probe); returns
+    the sum over its 64-byte lines of each line's four 8-byte lanes XORed with the next four, mod 2**64."""
+    return loaded().hs_read_probe(buffer.data_ptr(), buffer.numel() * buffer.element_size())
 
 
 def widths_supported(*widths: int) -> bool:
