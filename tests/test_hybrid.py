@@ -511,6 +511,47 @@ def test_the_host_path_is_measured_all_on_the_host_and_beside_device_experts() -
     assert path["host_layer_s"] > 0 and path["mixed_layer_s"] > 0 and path["device_layer_s"] > 0
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["all-on-host", "beside-device-experts"])
+def test_host_experts_the_gathering_thread_runs_go_into_the_layer_output_in_place(monkeypatch, mixed: bool) -> None:
+    """With every expert on the host no worker is woken: the gathering thread runs each job through its sink,
+    the layer's own native call, and never into rows of its own; the output is the device path's."""
+    from services.engine import cpu_kernels
+    from services.engine.cpu_threads import intra_op_threads
+    from services.engine.expert_provider import ExpertWeights
+    from services.engine.models.moe import moe_forward
+    from services.engine.models.router import Routing
+    from services.engine.offload import host_path
+    from services.engine.offload.host_executor import HostExecutor
+    from services.engine.offload.stats import OffloadStats
+
+    if cpu_kernels.library() is None:
+        pytest.skip("no C compiler: no native call to add in place")
+    gen = torch.Generator().manual_seed(0)
+    width = host_path.WIDTH
+    weights = [ExpertWeights(torch.randn(2 * width, width, generator=gen), torch.randn(width, width, generator=gen))
+               for _ in range(host_path.EXPERTS)]
+    x = torch.randn(5, width, generator=gen)
+    probs = torch.softmax(torch.randn(5, host_path.EXPERTS, generator=gen), dim=-1)
+    routing = Routing(*probs.topk(host_path.TOP_K, dim=-1), probs)
+    ctx = StepContext(phase=Phase.DECODE, request_ids=["r"], num_tokens=5)
+    general = []
+    run = HostExecutor._run
+    monkeypatch.setattr(HostExecutor, "_run", lambda self, *args: general.append(1) or run(self, *args))
+    executor = HostExecutor(1, OffloadStats(1))
+    try:
+        outputs = []
+        for on_host in (executor, None):
+            provider = host_path._TinyProvider(on_host, mixed=mixed)
+            provider.weights = weights
+            with torch.no_grad(), intra_op_threads(1):  # the kernels run on one torch thread
+                outputs.append(moe_forward(x, 0, routing, provider, ctx))
+    finally:
+        executor.shutdown()
+    torch.testing.assert_close(outputs[0], outputs[1])
+    if not mixed:
+        assert general == []  # every job in place
+
+
 def test_emulated_host_jobs_end_at_their_finish_on_one_virtual_clock() -> None:
     """A job is ready when the emulated host would have finished it, queued behind the jobs before it, and
     the thread gathering it gets it then, not a worker's wake-up later."""
@@ -602,10 +643,10 @@ def test_a_split_experts_longer_half_starts_first(reference, monkeypatch, host_r
     order: list[tuple[str, int]] = []
     submit_job, submit_transfer = HostExecutor.submit, TransferEngine.submit
 
-    def job(self, weights, x, activation=False, share=1.0):
+    def job(self, weights, x, activation=False, share=1.0, sink=None):
         if activation:
             order.append(("host", x.shape[0]))
-        return submit_job(self, weights, x, activation, share)
+        return submit_job(self, weights, x, activation, share, sink)
 
     def transfer(self, t):
         if t.chunk_offset == 1:  # a split expert's down matrix

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypeAlias
 
@@ -29,18 +30,25 @@ class ExpertWeights:
 # One expert's weights as stored: dense, or packed int8/int4 (services/engine/quant/packed.py).
 StoredWeights: TypeAlias = "ExpertWeights | QuantizedExpertWeights"
 
+# A host expert computed in place: its output added straight into the MoE layer's output by the thread that
+# gathers the layer (the native call the layer's own experts take), not into rows of its own and then added by
+# a second call. False: these weights need the general path.
+HostSink: TypeAlias = "Callable[[StoredWeights], bool]"
+
 
 class HostResult(Protocol):
-    """A host computation's output, gathered by the MoE layer (a Future, or the host executor's HostJob)."""
+    """A host computation's output, gathered by the MoE layer (a Future, or the host executor's HostJob):
+    None once its sink has added it into the layer's output."""
 
-    def result(self) -> torch.Tensor: ...
+    def result(self) -> torch.Tensor | None: ...
 
 
 class HostCompute(Protocol):
     """What computes host-placed experts: the engine's HostExecutor, or the simulator's host timeline."""
 
     def submit(
-        self, weights: StoredWeights, x: torch.Tensor, activation: bool = False, share: float = 1.0
+        self, weights: StoredWeights, x: torch.Tensor, activation: bool = False, share: float = 1.0,
+        sink: HostSink | None = None,
     ) -> HostResult: ...
 
     def flush(self, wake: bool = True) -> None: ...
@@ -78,8 +86,9 @@ class ExpertProvider(ABC):
     @abstractmethod
     def get(self, layer: int, expert: int) -> StoredWeights: ...
 
-    def host_forward(self, layer: int, expert: int, x: torch.Tensor) -> HostResult:
-        """Computes a host-placed expert on its tokens `x`; the result lands on x's device."""
+    def host_forward(self, layer: int, expert: int, x: torch.Tensor, sink: HostSink | None = None) -> HostResult:
+        """Computes a host-placed expert on its tokens `x`; the result lands on x's device (or, by `sink`, in
+        the layer's output)."""
         raise NotImplementedError(f"{type(self).__name__} computes every expert on the device")
 
     def host_activation(self, layer: int, expert: int, x: torch.Tensor) -> HostResult:

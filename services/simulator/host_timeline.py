@@ -43,7 +43,9 @@ class SimHostExecutor:
         self.expert_bytes = expert_bytes
         self.blocked = 0.0  # compute stalled gathering host results
 
-    def submit(self, weights: object, x: torch.Tensor, activation: bool = False, share: float = 1.0) -> SimHostJob:
+    def submit(self, weights: object, x: torch.Tensor, activation: bool = False, share: float = 1.0,
+               sink: object = None) -> SimHostJob:
+        """The job's time on the host; the simulator computes nothing, so `sink` is not called."""
         tokens = x.shape[0]
         seconds = share * self.cost.host_expert_seconds(tokens)
         self.stats.host_split_experts += activation

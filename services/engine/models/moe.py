@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from services.engine import cpu_kernels
 from services.engine.cpu_kernels import formats
-from services.engine.expert_provider import ExpertProvider, ExpertWeights
+from services.engine.expert_provider import ExpertProvider, ExpertWeights, HostSink, StoredWeights
 from services.engine.models.router import Routing
 from services.engine.quant.kernels import packed_swiglu
 from services.engine.quant.packed import QuantizedExpertWeights
@@ -137,7 +137,18 @@ def moe_forward(
     # first of all, since the device finishes them.
     rows = lambda e: x.index_select(0, token_of_assignment[offsets[e] : offsets[e + 1]])  # noqa: E731
     split = [(e, provider.host_activation(layer, e, rows(e))) for e in plan.split]
-    on_host = [(e, provider.host_forward(layer, e, rows(e))) for e in plan.host]
+
+    def in_place(expert: int) -> HostSink:
+        """A host expert run by this thread goes straight into `out`, as a device expert does: no rows of
+        its own and no second call to add them (measured: offload/host_path.py)."""
+        def sink(w: StoredWeights) -> bool:
+            if not native_expert(w):
+                return False
+            add(expert, x, w.gate_up, w.down, token_of_assignment)
+            return True
+        return sink
+
+    on_host = [(e, provider.host_forward(layer, e, rows(e), in_place(e) if native else None)) for e in plan.host]
     provider.dispatched(layer, ctx)  # prefetch planning after the host's start, not before it
     for expert in plan.device:
         w = provider.get(layer, expert)
@@ -147,12 +158,15 @@ def moe_forward(
             emit(expert, expert_forward(rows(expert), w))
     for expert, future in split:
         h, down = future.result(), provider.get_down(layer, expert)
+        assert h is not None  # a split half has no sink
         if native and _native_matrix(down):
             add(expert, h, None, down, None)
         else:
             emit(expert, expert_down(h, down, x.dtype))
     for expert, future in on_host:
-        emit(expert, future.result())
+        y = future.result()
+        if y is not None:
+            emit(expert, y)
     if not native:
         # Un-sort and add each token's k expert outputs (index_add_ is far slower on CPU for small batches).
         out = outputs.index_select(0, torch.argsort(order)).view(x.shape[0], top_k, -1).sum(dim=1)

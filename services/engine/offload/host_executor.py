@@ -19,7 +19,9 @@ Each worker is a plain thread on a C-level SimpleQueue, and a job is a slotted o
 Condition of its own. The thread that gathers a job not yet started runs it itself (and the others queued
 before it) rather than sleep until a worker has: it would only wait, and a worker's wake-up and the signal
 back cost tens of microseconds a layer (offload/host_path.py measures the path; the pool with a Future per
-job took ~50 us a layer at one token, this ~15).
+job took ~50 us a layer at one token, this ~15). A job it runs itself goes through the job's sink where the
+MoE layer gives one: straight into the layer's output by the native call its device experts take, not into
+rows of its own that a second call then adds (a Zen 2 guest's host path at one token: 71 -> 38 us a layer).
 
 On CUDA the rows leave the device from the submitting thread, into pinned memory, on the compute stream before
 the layer's device experts are queued behind it (the worker only waits for that copy's event), and the output
@@ -37,7 +39,7 @@ from collections.abc import Callable
 
 import torch
 
-from services.engine.expert_provider import StoredWeights
+from services.engine.expert_provider import HostSink, StoredWeights
 from services.engine.models.moe import expert_activation, expert_forward
 from services.engine.offload.link import hold_until_settled
 from services.engine.offload.memory_bus import HOST_LANE, BusJob, MemoryBus
@@ -47,12 +49,13 @@ from services.engine.offload.stats import OffloadStats
 class HostJob:
     """One host expert's output: there once its math is done and, emulated, its host time has passed."""
 
-    __slots__ = ("_value", "_error", "_done", "_executor", "_bus_job")
+    __slots__ = ("_value", "_error", "_done", "_in_place", "_executor", "_bus_job")
 
     def __init__(self, executor: HostExecutor, bus_job: BusJob | None) -> None:
         self._value: torch.Tensor | None = None
         self._error: BaseException | None = None
-        self._done = False  # set by the worker after _value or _error
+        self._in_place = False  # its sink added it into the layer's output: no _value
+        self._done = False  # set by the worker after _value, _in_place or _error
         self._executor = executor
         self._bus_job = bus_job  # emulated: its share of the DRAM; None on a real host
 
@@ -63,14 +66,15 @@ class HostJob:
         bus = self._executor.bus
         return 0.0 if self._bus_job is None or bus is None else bus.finish(self._bus_job)
 
-    def result(self) -> torch.Tensor:
+    def result(self) -> torch.Tensor | None:
+        """The expert's output, or None when its sink added it into the layer's output."""
         self._executor.flush()  # gathered before its layer's hand-off (no provider flushed): hand it off now
         self._executor.wait(self)
         if self._error is not None:
             raise self._error
         if self._bus_job is not None:
             hold_until_settled(lambda: self.ready_at)
-        assert self._value is not None  # done without an error
+        assert self._value is not None or self._in_place  # done without an error
         return self._value
 
 
@@ -101,11 +105,13 @@ class HostExecutor:
         self._batch: list[tuple] = []  # this layer's jobs, handed to the workers together by flush()
 
     def submit(
-        self, weights: StoredWeights, x: torch.Tensor, activation: bool = False, share: float = 1.0
+        self, weights: StoredWeights, x: torch.Tensor, activation: bool = False, share: float = 1.0,
+        sink: HostSink | None = None,
     ) -> HostJob:
         """The expert's output on x's device; `activation`: only its gate/up half (a split expert), which
         takes `share` of the whole expert's time. It starts at `flush` (the layer's one hand-off), on the
-        emulated host's clock from now."""
+        emulated host's clock from now. `sink`: how the gathering thread, if it runs the job itself, adds it
+        into the layer's output in place (host rows on the CPU only); a worker computes it into rows of its own."""
         self.stats.host_experts += 1
         self.stats.host_tokens += x.shape[0]
         self.stats.host_split_experts += activation
@@ -122,7 +128,8 @@ class HostExecutor:
             copied = torch.cuda.Event()
             copied.record()
         job = HostJob(self, bus_job)
-        self._batch.append((job, weights, staged, copied, x.device, bus_job is None, activation))
+        self._batch.append((job, weights, staged, copied, x.device, bus_job is None, activation,
+                            None if x.is_cuda else sink))
         return job
 
     def flush(self, wake: bool = True) -> None:
@@ -146,7 +153,7 @@ class HostExecutor:
         has claimed yet, then sleeps until a worker is done with the rest."""
         while not job._done:
             try:
-                self._execute(self._pending.popleft())
+                self._execute(self._pending.popleft(), gathering=True)
             except IndexError:
                 self._finished.get()  # a worker is done with what it claimed: perhaps this job
 
@@ -166,13 +173,26 @@ class HostExecutor:
                 self._execute(item)
             self._finished.put(None)
 
-    def _execute(self, item: tuple) -> None:
-        job, *args = item
+    def _execute(self, item: tuple, gathering: bool = False) -> None:
+        """Runs one job: in place through its sink on the gathering thread (the one that writes the layer's
+        output: no race), else into rows of its own."""
+        job, weights, x, copied, device, real, activation, sink = item
         try:
-            job._value = self._run(*args)
+            if gathering and sink is not None and self._sunk(sink, weights, real):
+                job._in_place = True
+            else:
+                job._value = self._run(weights, x, copied, device, real, activation)
         except BaseException as e:  # the MoE layer gathering it re-raises
             job._error = e
         job._done = True
+
+    def _sunk(self, sink: HostSink, weights: StoredWeights, real: bool) -> bool:
+        start = time.perf_counter()
+        if not sink(weights):
+            return False
+        if real:
+            self.stats.host_busy_seconds += time.perf_counter() - start
+        return True
 
     def _run(
         self, weights: StoredWeights, x: torch.Tensor, copied: torch.cuda.Event | None, device: torch.device,

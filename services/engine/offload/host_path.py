@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from services.engine.expert_provider import ExpertProvider, ExpertWeights, HostResult, LayerPlan
+from services.engine.expert_provider import ExpertProvider, ExpertWeights, HostResult, HostSink, LayerPlan
 from services.engine.models.moe import moe_forward
 from services.engine.models.router import Routing
 from services.engine.offload.host_executor import HostExecutor
@@ -45,9 +45,9 @@ class _TinyProvider(ExpertProvider):
     def get(self, layer: int, expert: int) -> ExpertWeights:
         return self.weights[expert]
 
-    def host_forward(self, layer: int, expert: int, x: torch.Tensor) -> HostResult:
+    def host_forward(self, layer: int, expert: int, x: torch.Tensor, sink: HostSink | None = None) -> HostResult:
         assert self.executor is not None  # begin_layer places experts on the host only with one
-        return self.executor.submit(self.weights[expert], x)
+        return self.executor.submit(self.weights[expert], x, sink=sink)
 
     def dispatched(self, layer: int, ctx: StepContext) -> None:
         if self.executor is not None:

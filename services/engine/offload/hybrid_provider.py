@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from services.engine.expert_format import ExpertLayout
-from services.engine.expert_provider import HostCompute, HostResult, LayerPlan
+from services.engine.expert_provider import HostCompute, HostResult, HostSink, LayerPlan
 from services.engine.offload.cost_model import PlacementCosts
 from services.engine.offload.expert_cache import ExpertCache, Slot
 from services.engine.offload.guess_ledger import GuessLedger
@@ -271,8 +271,8 @@ class HybridExpertProvider(OffloadedExpertProvider):
     def _may_prefetch(self) -> bool:
         return self.prefetch_depth <= 0 or self._link_room() > 0  # a full link: no guessing either
 
-    def host_forward(self, layer: int, expert: int, x: torch.Tensor) -> HostResult:
-        return self.executor.submit(self.store.weights((layer, expert)), x)
+    def host_forward(self, layer: int, expert: int, x: torch.Tensor, sink: HostSink | None = None) -> HostResult:
+        return self.executor.submit(self.store.weights((layer, expert)), x, sink=sink)
 
     def host_activation(self, layer: int, expert: int, x: torch.Tensor) -> HostResult:
         # The longer half starts first: each side's clock runs from its submit, and the other's submit
