@@ -552,6 +552,35 @@ def test_host_experts_the_gathering_thread_runs_go_into_the_layer_output_in_plac
         assert general == []  # every job in place
 
 
+def test_a_one_token_layer_hands_its_host_experts_the_token_itself() -> None:
+    """Batch-1 decode: every routed expert's one row is x, handed over as it is (no gather copy per expert)."""
+    from services.engine.models.moe import moe_forward
+    from services.engine.models.router import Routing
+    from services.engine.offload import host_path
+    from services.engine.offload.host_executor import HostExecutor
+    from services.engine.offload.stats import OffloadStats
+
+    handed: list[torch.Tensor] = []
+
+    class Recording(host_path._TinyProvider):
+        def host_forward(self, layer, expert, x, sink=None):
+            handed.append(x)
+            return super().host_forward(layer, expert, x, sink)
+
+    executor = HostExecutor(1, OffloadStats(1))
+    try:
+        for tokens in (1, 3):
+            handed.clear()
+            x = torch.randn(tokens, host_path.WIDTH)
+            probs = torch.softmax(torch.randn(tokens, host_path.EXPERTS), dim=-1)
+            routing = Routing(*probs.topk(host_path.TOP_K, dim=-1), probs)
+            ctx = StepContext(phase=Phase.DECODE, request_ids=["r"], num_tokens=tokens)
+            moe_forward(x, 0, routing, Recording(executor), ctx)
+            assert handed and all((rows is x) == (tokens == 1) for rows in handed)
+    finally:
+        executor.shutdown()
+
+
 def test_emulated_host_jobs_end_at_their_finish_on_one_virtual_clock() -> None:
     """A job is ready when the emulated host would have finished it, queued behind the jobs before it, and
     the thread gathering it gets it then, not a worker's wake-up later."""

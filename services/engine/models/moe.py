@@ -135,7 +135,8 @@ def moe_forward(
     plan = provider.begin_layer(layer, active, ctx, [counts[e] for e in active])
     # Host work first, so its worker threads run while the device computes the rest; split experts' halves
     # first of all, since the device finishes them.
-    rows = lambda e: x.index_select(0, token_of_assignment[offsets[e] : offsets[e + 1]])  # noqa: E731
+    # One token (batch-1 decode) is every routed expert's one row: x itself, read only, with no copy.
+    rows = lambda e: x if x.shape[0] == 1 else x.index_select(0, token_of_assignment[offsets[e] : offsets[e + 1]])  # noqa: E731
     split = [(e, provider.host_activation(layer, e, rows(e))) for e in plan.split]
 
     def in_place(expert: int) -> HostSink:

@@ -21,7 +21,8 @@ before it) rather than sleep until a worker has: it would only wait, and a worke
 back cost tens of microseconds a layer (offload/host_path.py measures the path; the pool with a Future per
 job took ~50 us a layer at one token, this ~15). A job it runs itself goes through the job's sink where the
 MoE layer gives one: straight into the layer's output by the native call its device experts take, not into
-rows of its own that a second call then adds (a Zen 2 guest's host path at one token: 71 -> 38 us a layer).
+rows of its own that a second call then adds (a Zen 2 guest's host path at one token: 71 -> 38 us a layer;
+13 once a one-token layer handed its experts the token itself instead of a gathered copy each).
 
 On CUDA the rows leave the device from the submitting thread, into pinned memory, on the compute stream before
 the layer's device experts are queued behind it (the worker only waits for that copy's event), and the output
