@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import ctypes
 import dataclasses
-import math
 import os
 import statistics
 import time
@@ -76,16 +75,15 @@ def bandwidth_probe(buffer: torch.Tensor, threads: int, repeats: int = 5) -> flo
     """GB/s of reading `buffer` at `threads` threads, the best of `repeats` (a read-only STREAM): torch's sum,
     or where the native kernels are built the better of it and their read over four streams a thread (torch's
     sum reads one: on a Zen 2 guest the kernels that read four outran it by a quarter)."""
-    torch.set_num_threads(threads)
-    reads: list[Callable[[], object]] = [buffer.sum]
-    if cpu_kernels.library() is not None:
-        reads.append(lambda: cpu_kernels.read_probe(buffer))
-    best = math.inf
-    for native, read in enumerate(reads):
-        if native:
-            use_threads(threads)
+    def best_of(read: Callable[[], object]) -> float:
         read()  # first touch and thread start-up stay out of the figure
-        best = min(best, *(_timed(read) for _ in range(repeats)))
+        return min(_timed(read) for _ in range(repeats))
+
+    torch.set_num_threads(threads)
+    best = best_of(buffer.sum)
+    if cpu_kernels.library() is not None:
+        use_threads(threads)  # the kernels' pool at `threads`, torch on one
+        best = min(best, best_of(lambda: cpu_kernels.read_probe(buffer)))
     return buffer.numel() * buffer.element_size() / best / 1e9
 
 

@@ -225,7 +225,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     context_lens = context_lens.to(torch.int64).contiguous()
     group = q_heads // kv_heads
     out = torch.empty(batch, q_heads, head_dim)
-    floats, _ = _scratch.get(group * (block_tables.shape[1] * block_size + head_dim))
+    floats, _ = _scratch.get(group * block_tables.shape[1] * block_size)
     status = loaded().paged_decode_attention_f32(
         q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), slots,
         block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), block_size, batch, q_heads,

@@ -24,11 +24,14 @@ static inline v16 vmax(v16 a, v16 b) { return vselect(a > b, a, b); }
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 
-static inline float hsum(v16 v) { /* a tree: a sequential sum of lanes is one long dependency chain */
-    v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+static inline float hsum_v8(v8 a) { /* a tree: a sequential sum of lanes is one long dependency chain */
     v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
     return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+static inline float hsum(v16 v) {
+    return hsum_v8(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                   __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
 }
 
 static inline float hmax(v16 v) {
@@ -188,19 +191,18 @@ int moe_swiglu_f32(const float *x, const int64_t *ids, const float *weights, int
 /* One new token per sequence against its paged context, read in place (no gather).
  * q: [B, Hq, D] at strides (q_sb, q_sh); k_cache, v_cache: [Hkv, S, D]; tables: [B, max_blocks] block ids;
  * lens: [B] context lengths (the new token included); out: [B, Hq, D] contiguous; D a multiple of 16.
- * scratch: G * max(lens) + D floats, G = Hq / Hkv. Returns 0, or -1 on a slot outside the cache. */
+ * scratch: G * max_blocks * block_size floats, G = Hq / Hkv. Returns 0, or -1 on a slot outside the cache. */
 int paged_decode_attention_f32(const float *q, int64_t q_sb, int64_t q_sh, const float *k_cache,
                                const float *v_cache, int64_t S, const int64_t *tables, int64_t max_blocks,
                                const int64_t *lens, int64_t block_size, int64_t B, int64_t Hq, int64_t Hkv,
                                int64_t D, float scale, float *out, float *scratch) {
-    int64_t G = Hq / Hkv, max_len = 0;
+    int64_t G = Hq / Hkv;
     for (int64_t b = 0; b < B; b++) {
         if (lens[b] < 1 || lens[b] > max_blocks * block_size) return -1;
         for (int64_t t = 0; t < lens[b]; t += block_size) {
             int64_t block = tables[b * max_blocks + t / block_size];
             if (block < 0 || (block + 1) * block_size > S) return -1;
         }
-        max_len = lens[b] > max_len ? lens[b] : max_len;
     }
     float *scores = scratch;
     for (int64_t b = 0; b < B; b++) {
@@ -246,9 +248,7 @@ int paged_decode_attention_f32(const float *q, int64_t q_sb, int64_t q_sh, const
                         const float *qg = qh + g * q_sh;
                         vn dot = {0};
                         for (int64_t d = 0; d < D; d += VW) dot += vnload(qg + d) * vnload(k + d);
-                        v8 f = fold8(dot);
-                        scores[g * L + t0 + i] = ((f[0] + f[4]) + (f[1] + f[5]) + ((f[2] + f[6]) + (f[3] + f[7]))) *
-                                                 scale;
+                        scores[g * L + t0 + i] = hsum_v8(fold8(dot)) * scale;
                     }
                 }
             }

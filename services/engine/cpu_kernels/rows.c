@@ -177,7 +177,6 @@ INLINE void avx2_rows_streams(const void *w, int is_bf16, const float *x, int64_
 }
 #endif
 
-
 /* Calls body(mm) with mm a constant 1..MB for each block of activation rows. */
 #define ROWS_SWITCH(M, body)                                                                                     \
     for (int64_t m = 0; m < (M); m += MB) {                                                                    \
@@ -820,7 +819,7 @@ void hs_rows_block(const hs_matrix *W, const acts *a, const int64_t *rows, int64
         return;
     }
 #if defined(HAVE_AVX2) && !defined(HAVE_AVX512)
-    if ((W->format == F32 || W->format == BF16) && M == 1 && (n1 - n0) % FLOAT_STREAMS == 0) {
+    if ((W->format == F32 || W->format == BF16) && M == 1 && n1 - n0 <= NCHUNK && (n1 - n0) % FLOAT_STREAMS == 0) {
         const void *w = W->format == F32 ? (const void *)((const float *)W->w + n0 * K)
                                          : (const void *)((const uint16_t *)W->w + n0 * K);
         avx2_rows_streams(w, W->format == BF16, a->f32 + rows[0] * a->ld, K, n1 - n0, out_rows);
