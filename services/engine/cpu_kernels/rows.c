@@ -71,6 +71,20 @@
 #ifndef PREFETCH_BYTES_AVX2_FLOAT
 #define PREFETCH_BYTES_AVX2_FLOAT 0
 #endif
+/* Whether the one-row bf16 and int8 loops prefetch. A Zen 4 guest's hardware prefetchers alone read one
+ * stream at 30 GB/s on one thread, and at 21-24 with a software prefetch 2-8 KB ahead. There (one process
+ * alternating builds, three rounds each) bf16 ran 5-25% faster per matrix without it, int8 5-25% faster at
+ * one row but 25-50% slower at 16 rows (so its tiles keep it for two rows and more); int4 came out even
+ * over three A/B runs (keeps it) and fp32 10-20% slower (keeps its own, above). -DSW_PREFETCH=1 there
+ * brings them back. */
+#if defined(__AVX512F__) && (defined(__znver3__) || defined(__znver4__) || defined(__znver5__))
+#define SW_PREFETCH_DEFAULT 0
+#else
+#define SW_PREFETCH_DEFAULT 1
+#endif
+#ifndef SW_PREFETCH
+#define SW_PREFETCH SW_PREFETCH_DEFAULT
+#endif
 #define SPLIT_MAX 4 /* activation rows up to which each row's integer dot products run on two chains */
 
 
@@ -247,7 +261,8 @@ INLINE void bf16_block(const uint16_t *w, const acts *a, const int64_t *rows, in
         __m512 a1 = _mm512_setzero_ps();
         for (int64_t k = 0; k < K; k += 64) {
             for (int line = 0; line < 128; line += 64) /* both lines of this step (one left bf16 at 10.5 GB/s) */
-                _mm_prefetch((const char *)(w + k) + 2 * PREFETCH_BYTES + line, PREFETCH_HINT);
+                if (SW_PREFETCH)
+                    _mm_prefetch((const char *)(w + k) + 2 * PREFETCH_BYTES + line, PREFETCH_HINT);
             acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_loadu_si512(w + k),
                                       (__m512bh)_mm512_loadu_si512(x[0] + k));
             a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w + k + 32),
@@ -480,7 +495,8 @@ INLINE void q8_tile(const uint8_t *w, const float *ws, const acts *a, const int6
             dot[r] = odd[r] = _mm512_setzero_si512();
         for (int64_t k = b * QB; k < (b + 1) * QB; k += 8) {
             for (int line = 0; line < 128; line += 64) /* this step's two lines, 8 KB on (as one-row fp32) */
-                _mm_prefetch((const char *)(w + k * TILE) + 2 * PREFETCH_BYTES + line, PREFETCH_HINT_INT);
+                if (SW_PREFETCH || mm > 1)
+                    _mm_prefetch((const char *)(w + k * TILE) + 2 * PREFETCH_BYTES + line, PREFETCH_HINT_INT);
             __m512i w0 = _mm512_loadu_si512(w + k * TILE), w1 = _mm512_loadu_si512(w + (k + 4) * TILE);
             for (int r = 0; r < mm; r++) {
                 dot[r] = _mm512_dpbusd_epi32(dot[r], w0, bcast4(x[r] + k));
@@ -560,7 +576,9 @@ INLINE __m256i bcast4(const int8_t *p) {
  * streamed 0.57-0.63 of the read probe per expert and 0.60-0.69 per LM head in one stream, 0.70-0.74 and
  * 0.80-0.90 in four (a plain read loop there: 10.4 GB/s in one stream, 18 in four). 16 rows, which read
  * each block from L1 after the first row, ran 5% slower in that order and keep theirs; int4, whose tiles are
- * half as long, gained nothing. */
+ * half as long, gained nothing. The 512-bit loops keep one stream: on a Zen 4 guest (the same A/B, three
+ * rounds) four streams made one-row int8 and int4 10-30% slower per expert and fp32 slower too, their
+ * software prefetch a fixed distance down one stream being what that core streams best with. */
 #ifndef INT_STREAMS
 #define INT_STREAMS 4
 #endif
