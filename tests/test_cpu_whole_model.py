@@ -65,6 +65,28 @@ def test_a_quantized_whole_model_holds_no_float_copy(demo_model_dir: str) -> Non
     assert model.w.lm_head.numel() == 0 or model.w.lm_head is model.w.embed
 
 
+@native
+def test_a_bf16_run_keeps_bf16_activations_and_decodes_like_fp32(demo_model_dir: str) -> None:
+    """`--dtype bfloat16` on the CPU: the native dense layers write fp32, and the bf16 KV cache must get bf16
+    (they once raised on the first KV write). Greedy tokens follow fp32's until a near tie (the sixth token of
+    one prompt here, where bf16 rounding picks the runner-up)."""
+    from services.engine.llm_engine import LLMEngine
+    from services.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [list(range(40, 60)), list(range(70, 75))]
+    tokens = {}
+    for dtype in ("bfloat16", "float32"):
+        engine = LLMEngine(EngineConfig(model=demo_model_dir, dtype=dtype))
+        try:
+            tokens[dtype] = engine.generate(prompts, params)
+            assert engine.model.k_caches[0].dtype == getattr(torch, dtype)
+        finally:
+            engine.close()
+    assert all(len(t) == 8 for t in tokens["bfloat16"])
+    assert [t[:5] for t in tokens["bfloat16"]] == [t[:5] for t in tokens["float32"]]
+
+
 def test_generate_and_serve_share_one_thread_default(monkeypatch) -> None:
     """No --threads: cores less one (OMP_NUM_THREADS when set), the same for every command."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

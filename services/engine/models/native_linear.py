@@ -26,7 +26,8 @@ class NativeLinear:
         self.weight = self.matrix.weight if fmt == "fp32" else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return formats.matmul(x, self.matrix)
+        y = formats.matmul(x, self.matrix)  # fp32: the kernels accumulate and write fp32
+        return y if y.dtype == x.dtype else y.to(x.dtype)  # a bf16 run keeps bf16 activations and KV cache
 
     def float_weight(self) -> torch.Tensor:
         return formats.dequantize(self.matrix)
