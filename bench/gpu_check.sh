@@ -13,7 +13,7 @@ $py -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torc
     | tee -a "$out/machine.txt"
 nproc | tee -a "$out/machine.txt"
 
-timeout "${TESTS_TIMEOUT:-240}" $py -m pytest tests/gpu -q -rfEs -p no:cacheprovider --timeout 120 2>&1 \
+HINTSERVE_LOGITS_REPORT="$out/logits" timeout "${TESTS_TIMEOUT:-240}" $py -m pytest tests/gpu -q -rfEs -p no:cacheprovider --timeout 120 2>&1 \
     | tee "$out/tests_gpu.log"
 echo "tests/gpu exit: $?" | tee -a "$out/machine.txt"
 
@@ -35,6 +35,11 @@ if [ "${REAL_SHAPE:-0}" = 1 ]; then
     model=${REAL_MODEL_DIR:-/tmp/hintserve-qwen3-4l}
     [ -f "$model/config.json" ] || $py -m services.cli demo-model build --shape qwen3-30b-a3b --layers 4 --random \
         --out "$model" 2>&1 | grep -v "it/s\]\|s/it\]" | tail -3
+    # bf16 hybrid logits against the resident engine's, teacher-forced (tests/gpu/test_cuda_hybrid_logits.py)
+    HINTSERVE_REAL_MODEL=$model HINTSERVE_LOGITS_REPORT="$out/real/logits" timeout "${REAL_TIMEOUT:-240}" \
+        $py -m pytest tests/gpu/test_cuda_hybrid_logits.py -q -rfEs -p no:cacheprovider -k real 2>&1 \
+        | grep -v "it/s\]\|s/it\]" | tee "$out/real/logits.log"
+    echo "real-shape logits exit: $?" | tee -a "$out/machine.txt"
     offload_bench "${REAL_TIMEOUT:-240}" "$model" "${REAL_POLICIES:-lru,hintserve-transfer,fiddler,hintserve}" \
         "${REAL_CACHE:-25%}" "${REAL_BATCH:-1,4}" "$out/real/offload_cuda_qwen3.json"
     echo "real-shape bench offload exit: $?" | tee -a "$out/machine.txt"
