@@ -231,7 +231,7 @@ def _cpu_flags() -> set[str]:
 @pytest.mark.parametrize("flags, isa, needed", [
     ("-mavx2 -mfma -mf16c -mno-avx512f", "avx2+fma", {"avx2", "fma", "f16c"}),
     ("-mavx2 -mfma -mf16c -mavxvnni -mno-avx512f", "avx2+fma+avxvnni", {"avx2", "fma", "f16c", "avx_vnni"}),
-    # AVX-512 without VNNI and BF16 (Skylake-SP): its int8, int4 and bf16 run the AVX2 loops.
+    # AVX-512 without VNNI and BF16 (Skylake-SP): its int8 and int4 run the AVX2 loops, bf16 widens at 512 bits.
     ("-march=skylake-avx512", "avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"}),
 ], ids=["avx2", "avx2-avxvnni", "avx512-without-vnni"])
 def test_the_avx2_loops_compute_every_format(tmp_path, flags: str, isa: str, needed: set[str]) -> None:

@@ -19,8 +19,8 @@
 #define HAVE_VNNI512 1
 #endif
 /* AVX2 with FMA (Haswell on, Zen 1 on: most servers and laptops without AVX-512) has 256-bit loops below; an
- * AVX-512 build without VNNI or BF16 takes them too for those formats. AVX-VNNI (Alder Lake, Zen 5) adds the
- * 256-bit vpdpbusd. */
+ * AVX-512 build without VNNI takes them too for int8 and int4 (one without BF16 widens bf16 at 512 bits).
+ * AVX-VNNI (Alder Lake, Zen 5) adds the 256-bit vpdpbusd. */
 #if defined(__AVX2__) && defined(__FMA__)
 #define HAVE_AVX2 1
 #endif
@@ -63,6 +63,12 @@
  * loops were tuned with T0 and not re-timed). */
 #ifndef PREFETCH_HINT_INT
 #define PREFETCH_HINT_INT _MM_HINT_T1
+#endif
+/* The widened bf16 loop of AVX-512 builds without a bf16 dot product prefetches into L2: on an Intel Xeon guest
+ * (AVX-512 VNNI, bf16 and AMX hidden; one process alternating builds, three rounds) its one-row matrices read
+ * 67-84% of the read probe prefetched into L1 and 76-92% into L2. */
+#ifndef PREFETCH_HINT_BF16W
+#define PREFETCH_HINT_BF16W _MM_HINT_T1
 #endif
 /* The 256-bit one-row float loops do not prefetch: on a Zen 3 guest (AVX2 only; one process alternating
  * builds, 256 MB of weights, one thread) fp32 streamed 13.2 GB/s without against 11.3 at 8 KB ahead, bf16
@@ -191,6 +197,18 @@ INLINE void avx2_rows_streams(const void *w, int is_bf16, const float *x, int64_
 }
 #endif
 
+#if defined(HAVE_AVX512)
+/* 16 bf16 widened to fp32 (exact, as bf16x8). */
+INLINE __m512 bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* 16 fp32 weights, or 16 bf16 ones widened (is_bf16 a constant where it is inlined). */
+INLINE __m512 load16(const char *w, int is_bf16, int64_t k) {
+    return is_bf16 ? bf16x16((const uint16_t *)w + k) : _mm512_loadu_ps((const float *)w + k);
+}
+#endif
+
 /* Calls body(mm) with mm a constant 1..MB for each block of activation rows. */
 #define ROWS_SWITCH(M, body)                                                                                     \
     for (int64_t m = 0; m < (M); m += MB) {                                                                    \
@@ -207,37 +225,52 @@ INLINE void avx2_rows_streams(const void *w, int is_bf16, const float *x, int64_
     }
 
 /* ---- fp32 ---- */
-INLINE void f32_block(const float *w, const acts *a, const int64_t *rows, int mm, int64_t K, float *out) {
 #if defined(HAVE_AVX512)
+/* fp32 weights, or bf16 ones widened where the CPU has no bf16 dot product (is_bf16 a constant where it is
+ * inlined), against fp32 activations. One row: four chains, so the FMA latency never paces the stream, and
+ * every line of the stream prefetched: on an Intel Xeon guest the hardware prefetchers alone left whole-model
+ * fp32 decode at 10-13.5 GB/s, 14.4-14.8 with this (one thread; 21.0-21.4 against 22.2-24.2 GB/s on two). The
+ * widened bf16 loop replaced the 256-bit one there, which read 8.4 GB/s on one thread. */
+INLINE void avx512_float_dots(const char *w, int is_bf16, const acts *a, const int64_t *rows, int mm, int64_t K,
+                              float *out) {
     __m512 acc[MB];
     const float *x[MB];
     for (int r = 0; r < mm; r++) {
         acc[r] = _mm512_setzero_ps();
         x[r] = a->f32 + rows[r] * a->ld;
     }
-    /* One row: four chains, so the FMA latency never paces the stream, and the stream prefetched: on an Intel
-     * Xeon guest the hardware prefetchers alone left whole-model fp32 decode at 10-13.5 GB/s, 14.4-14.8 with
-     * this (one thread; 21.0-21.4 against 22.2-24.2 GB/s on two). */
     if (mm == 1) {
+        int64_t step_bytes = is_bf16 ? 128 : 256; /* the lines of one step of 64 weights */
         __m512 a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
         for (int64_t k = 0; k < K; k += 64) {
-            for (int line = 0; line < 256; line += 64) /* the 4 lines of this step */
-                _mm_prefetch((const char *)(w + k) + PREFETCH_BYTES_F32 + line, PREFETCH_HINT_F32);
-            acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x[0] + k), acc[0]);
-            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16), _mm512_loadu_ps(x[0] + k + 16), a1);
-            a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 32), _mm512_loadu_ps(x[0] + k + 32), a2);
-            a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 48), _mm512_loadu_ps(x[0] + k + 48), a3);
+            const char *at = w + k * (is_bf16 ? 2 : 4);
+            for (int64_t line = 0; line < step_bytes; line += 64) {
+                if (!is_bf16)
+                    _mm_prefetch(at + PREFETCH_BYTES_F32 + line, PREFETCH_HINT_F32);
+                else if (SW_PREFETCH)
+                    _mm_prefetch(at + 2 * PREFETCH_BYTES + line, PREFETCH_HINT_BF16W);
+            }
+            acc[0] = _mm512_fmadd_ps(load16(w, is_bf16, k), _mm512_loadu_ps(x[0] + k), acc[0]);
+            a1 = _mm512_fmadd_ps(load16(w, is_bf16, k + 16), _mm512_loadu_ps(x[0] + k + 16), a1);
+            a2 = _mm512_fmadd_ps(load16(w, is_bf16, k + 32), _mm512_loadu_ps(x[0] + k + 32), a2);
+            a3 = _mm512_fmadd_ps(load16(w, is_bf16, k + 48), _mm512_loadu_ps(x[0] + k + 48), a3);
         }
         out[0] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], a1), _mm512_add_ps(a2, a3)));
         return;
     }
     for (int64_t k = 0; k < K; k += 16) {
-        __m512 wv = _mm512_loadu_ps(w + k);
+        __m512 wv = load16(w, is_bf16, k);
         for (int r = 0; r < mm; r++)
             acc[r] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x[r] + k), acc[r]);
     }
     for (int r = 0; r < mm; r++)
         out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+#endif
+
+INLINE void f32_block(const float *w, const acts *a, const int64_t *rows, int mm, int64_t K, float *out) {
+#if defined(HAVE_AVX512)
+    avx512_float_dots((const char *)w, 0, a, rows, mm, K, out);
 #elif defined(HAVE_AVX2)
     avx2_dots(w, 0, a, rows, mm, K, out);
 #elif defined(HAVE_NEON)
@@ -278,6 +311,8 @@ INLINE void bf16_block(const uint16_t *w, const acts *a, const int64_t *rows, in
     }
     for (int r = 0; r < mm; r++)
         out[r] = _mm512_reduce_add_ps(acc[r]);
+#elif defined(HAVE_AVX512) /* without its bf16 dot product (Skylake-SP to Ice Lake, guests that hide it) */
+    avx512_float_dots((const char *)w, 1, a, rows, mm, K, out);
 #elif defined(HAVE_AVX2)
     avx2_dots(w, 1, a, rows, mm, K, out);
 #elif defined(HAVE_NEON)
@@ -308,7 +343,9 @@ INLINE void bf16_block(const uint16_t *w, const acts *a, const int64_t *rows, in
     }
 
 #if defined(HAVE_AVX512)
-INLINE void f32_tile(const float *w, int64_t K, const float *const *x, int mm, float out[NT][MT]) {
+/* fp32 weights, or bf16 ones widened where the CPU has no bf16 dot product (is_bf16 a constant). */
+INLINE void float_tile(const char *w, int is_bf16, int64_t K, const float *const *x, int mm, float out[NT][MT]) {
+    int64_t row_bytes = K * (is_bf16 ? 2 : 4);
     __m512 acc[NT][MT];
     for (int i = 0; i < NT; i++)
         for (int r = 0; r < mm; r++)
@@ -316,7 +353,7 @@ INLINE void f32_tile(const float *w, int64_t K, const float *const *x, int mm, f
     for (int64_t k = 0; k < K; k += 16) {
         __m512 wv[NT];
         for (int i = 0; i < NT; i++)
-            wv[i] = _mm512_loadu_ps(w + i * K + k);
+            wv[i] = load16(w + i * row_bytes, is_bf16, k);
         for (int r = 0; r < mm; r++) {
             __m512 xv = _mm512_loadu_ps(x[r] + k);
             for (int i = 0; i < NT; i++)
@@ -353,8 +390,8 @@ INLINE void bf16_tile(const uint16_t *w, int64_t K, const uint16_t *const *x, in
 
 /* The float tiles at 256 bits, where the build has no 512-bit tile for the format: 16 vector registers hold NT x 3
  * accumulators, so the tile's activation rows run 3 at a time, the NT weight rows (32 KB at K = 2048 fp32)
- * read again from L1 or L2 for each 3. */
-#if defined(HAVE_AVX2) && !defined(__AVX512BF16__)
+ * read again from L1 or L2 for each 3 (AVX2 builds; AVX-512 ones widen bf16 in float_tile). */
+#if defined(HAVE_AVX2) && !defined(HAVE_AVX512)
 #define AVX2_TILES 1
 INLINE void avx2_tile3(const char *w, int is_bf16, int64_t K, const float *const *x, int rr, float out[NT][MT]) {
     int64_t row_bytes = K * (is_bf16 ? 2 : 4);
@@ -419,11 +456,21 @@ static void float_rows(const hs_matrix *W, const acts *a, const int64_t *rows, i
         }
         int64_t n = n0;
 #if defined(HAVE_AVX512)
-        if (!bf16)
+#if defined(__AVX512BF16__)
+        int widened = 0; /* bf16 has its vdpbf16ps tile below */
+#else
+        int widened = bf16;
+#endif
+        if (!bf16 || widened)
             for (; n + NT <= n1; n += NT) {
-                const float *w = (const float *)W->w + n * K;
-#define F32_TILE(c) f32_tile(w, K, xf, c, out)
-                TILE_SWITCH(mm, F32_TILE)
+                const char *w = (const char *)W->w + n * K * (bf16 ? 2 : 4);
+#define F32_TILE(c) float_tile(w, 0, K, xf, c, out)
+#define BF16W_TILE(c) float_tile(w, 1, K, xf, c, out)
+                if (bf16) {
+                    TILE_SWITCH(mm, BF16W_TILE)
+                } else {
+                    TILE_SWITCH(mm, F32_TILE)
+                }
                 store_float_tile(y, ldy, m, n, mm, out, W->bias);
             }
 #endif
@@ -437,16 +484,13 @@ static void float_rows(const hs_matrix *W, const acts *a, const int64_t *rows, i
             }
 #endif
 #if defined(AVX2_TILES)
-#if defined(HAVE_AVX512)
-        if (bf16) /* fp32 has its 512-bit tile above */
-#endif
-            for (; n + NT <= n1; n += NT) {
-                if (bf16)
-                    avx2_tile((const char *)W->w + n * K * 2, 1, K, xf, mm, out);
-                else
-                    avx2_tile((const char *)W->w + n * K * 4, 0, K, xf, mm, out);
-                store_float_tile(y, ldy, m, n, mm, out, W->bias);
-            }
+        for (; n + NT <= n1; n += NT) {
+            if (bf16)
+                avx2_tile((const char *)W->w + n * K * 2, 1, K, xf, mm, out);
+            else
+                avx2_tile((const char *)W->w + n * K * 4, 0, K, xf, mm, out);
+            store_float_tile(y, ldy, m, n, mm, out, W->bias);
+        }
 #endif
         for (; n < n1; n++) { /* rows past the last whole tile, and builds without the tiles */
             float one[MB];
@@ -468,10 +512,6 @@ static void float_rows(const hs_matrix *W, const acts *a, const int64_t *rows, i
  * vector of rows and nothing is summed across lanes. */
 
 #if defined(HAVE_VNNI512)
-INLINE __m512 bf16x16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
 INLINE __m512i bcast4(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
