@@ -34,12 +34,14 @@ class Outcome:
     ok: int = 0
     clear_errors: int = 0
     unclear: list[str] = field(default_factory=list)  # 5xx without an error body, broken streams, timeouts
+    errors: list[str] = field(default_factory=list)  # what each clear error said, for the assertion messages
 
     def add(self, other: Outcome) -> None:
         self.sent += other.sent
         self.ok += other.ok
         self.clear_errors += other.clear_errors
         self.unclear += other.unclear
+        self.errors += other.errors
 
     def as_dict(self) -> dict[str, object]:
         return {"sent": self.sent, "ok": self.ok, "failed_clearly": self.clear_errors, "unclear": self.unclear}
@@ -62,6 +64,7 @@ def stream_once(url: str, max_tokens: int, timeout_s: float = 90.0) -> Outcome:
                 error = json.loads(r.read()).get("error", {})
                 if error.get("message"):
                     out.clear_errors += 1
+                    out.errors.append(f"HTTP {r.status_code}: {error['message']}")
                 else:
                     out.unclear.append(f"HTTP {r.status_code} without an error body")
                 return out
@@ -82,13 +85,14 @@ def stream_once(url: str, max_tokens: int, timeout_s: float = 90.0) -> Outcome:
                 out.ok += 1
             elif done and error is not None and error.get("message"):
                 out.clear_errors += 1
+                out.errors.append(f"stream error: {error['message']}")
             else:
                 out.unclear.append(f"stream ended without finish or error (done={done})")
     except httpx.TimeoutException:
         out.unclear.append("timed out (hang)")
     except httpx.TransportError as exc:  # the connection was refused or cut: a clear failure to the client
         out.clear_errors += 1
-        del exc
+        out.errors.append(f"transport: {exc!r}")
     return out
 
 

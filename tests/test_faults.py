@@ -60,7 +60,7 @@ def test_predictor_killed(cluster: Cluster) -> None:
     restart_s = cluster.start_predictor()
     after = load(cluster.gateway_url, 4, 4, 16)  # served with the restarted predictor
     _clear(outcome)
-    assert outcome.ok == outcome.sent and after.ok == after.sent  # the predictor is optional to serving
+    assert outcome.ok == outcome.sent and after.ok == after.sent, (outcome, after)  # the predictor is optional
     FIGURES["predictor killed (SIGKILL)"] = {**outcome.as_dict(), "predictor_restart_s": round(restart_s, 2)}
 
 
