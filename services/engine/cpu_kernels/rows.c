@@ -457,11 +457,8 @@ static void float_rows(const hs_matrix *W, const acts *a, const int64_t *rows, i
         int64_t n = n0;
 #if defined(HAVE_AVX512)
 #if defined(__AVX512BF16__)
-        int widened = 0; /* bf16 has its vdpbf16ps tile below */
-#else
-        int widened = bf16;
+        if (!bf16) /* bf16 has its vdpbf16ps tile below; without it, bf16 is widened here */
 #endif
-        if (!bf16 || widened)
             for (; n + NT <= n1; n += NT) {
                 const char *w = (const char *)W->w + n * K * (bf16 ? 2 : 4);
 #define F32_TILE(c) float_tile(w, 0, K, xf, c, out)
