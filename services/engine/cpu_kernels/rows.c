@@ -77,12 +77,13 @@
 #ifndef PREFETCH_BYTES_AVX2_FLOAT
 #define PREFETCH_BYTES_AVX2_FLOAT 0
 #endif
-/* Whether the one-row bf16 and int8 loops prefetch. A Zen 4 guest's hardware prefetchers alone read one
- * stream at 30 GB/s on one thread, and at 21-24 with a software prefetch 2-8 KB ahead. There (one process
+/* Whether the one-row bf16, int8 and int4 loops prefetch. A Zen 4 guest's hardware prefetchers alone read
+ * one stream at 30 GB/s on one thread, and at 21-24 with a software prefetch 2-8 KB ahead. There (one process
  * alternating builds, three rounds each) bf16 ran 5-25% faster per matrix without it, int8 5-25% faster at
- * one row but 25-50% slower at 16 rows (so its tiles keep it for two rows and more); int4 came out even
- * over three A/B runs (keeps it) and fp32 10-20% slower (keeps its own, above). -DSW_PREFETCH=1 there
- * brings them back. */
+ * one row but 25-50% slower at 16 rows (so its tiles keep it for two rows and more); fp32 10-20% slower
+ * (keeps its own, above). int4 came out even on one guest and, on a later one, 5-16% faster without in 8 of
+ * 10 matrix x thread cases (four rounds; prefetching 8-64 KB ahead, or a group's lines at once, into L1 or
+ * L2, was slower still in a standalone loop). -DSW_PREFETCH=1 there brings them back. */
 #if defined(__AVX512F__) && (defined(__znver3__) || defined(__znver4__) || defined(__znver5__))
 #define SW_PREFETCH_DEFAULT 0
 #else
@@ -571,9 +572,13 @@ INLINE void q4_tile(const uint8_t *w, const uint16_t *sz, int64_t g, const acts 
         for (int r = 0; r < mm; r++)
             dot[r] = hid[r] = _mm512_setzero_si512();
         for (int64_t k = j * g; k < (j + 1) * g; k += 8) {
-            _mm_prefetch((const char *)(w + k / 2 * TILE) + PREFETCH_BYTES, PREFETCH_HINT_INT);
+            if (SW_PREFETCH || mm > 1)
+                _mm_prefetch((const char *)(w + k / 2 * TILE) + PREFETCH_BYTES, PREFETCH_HINT_INT);
             __m512i p = _mm512_loadu_si512(w + k / 2 * TILE);
-            __m512i lo = _mm512_and_si512(p, low), hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+            /* On two chains the high nibbles stay in place (16 times their value, exact in i32) and one shift a
+             * group scales the sum back: a vector op fewer per 64 bytes. */
+            __m512i lo = _mm512_and_si512(p, low);
+            __m512i hi = mm <= SPLIT_MAX ? _mm512_andnot_si512(low, p) : _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
             for (int r = 0; r < mm; r++) {
                 dot[r] = _mm512_dpbusd_epi32(dot[r], lo, bcast4(x[r] + k));
                 if (mm <= SPLIT_MAX)
@@ -584,7 +589,7 @@ INLINE void q4_tile(const uint8_t *w, const uint16_t *sz, int64_t g, const acts 
         }
         if (mm <= SPLIT_MAX)
             for (int r = 0; r < mm; r++)
-                dot[r] = _mm512_add_epi32(dot[r], hid[r]);
+                dot[r] = _mm512_add_epi32(dot[r], _mm512_srai_epi32(hid[r], 4));
         __m512 scale = bf16x16(sz + j * TILE), zero = bf16x16(sz + (G + j) * TILE);
         __m512 zero8 = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale, zero); /* the offset's and the zero's share */
         for (int r = 0; r < mm; r++) {
