@@ -134,7 +134,8 @@ def dense_copies(fmt: str, shape: tuple[int, int], gen: torch.Generator, cycle_b
         return [PackedLinear(m, None, pack) for m in mats], nbytes
     packed = [pack_matrix(b, QuantScheme(int(fmt[3:]), GROUP_SIZE), "cpu") for b in bases]
     nbytes = packed[0].nbytes
-    packed += [dataclasses.replace(p, qweight=p.qweight.clone(), scales=p.scales.clone(), _cpu=None)
+    packed += [dataclasses.replace(p, qweight=p.qweight.clone(), _cpu=None,
+                                   scales=None if p.scales is None else p.scales.clone())
                for p in (packed[i % _UNIQUE] for i in range(_UNIQUE, _count(nbytes, cycle_bytes)))]
     return packed, nbytes
 

@@ -63,18 +63,20 @@ static hs_matrix make_matrix(int64_t format, int64_t N, int64_t K, int64_t group
             s[n] = uniform(0.001f, 0.01f);
         W.w = w, W.scales = s;
     } else {
-        int64_t G = K / group;
-        uint8_t *w = malloc(Np * K / 2);
-        uint16_t *sz = malloc(Np * 2 * G * sizeof *sz);
-        for (int64_t i = 0; i < Np * K / 2; i++)
-            w[i] = (uint8_t)next_u64();
+        int64_t G = K / group, gb = q4_group_bytes(group);
+        uint8_t *w = malloc(Np / TILE * G * gb);
         for (int64_t t = 0; t < Np / TILE; t++)
-            for (int64_t j = 0; j < G; j++)
+            for (int64_t j = 0; j < G; j++) {
+                uint8_t *wj = w + (t * G + j) * gb;
+                uint16_t *sz = (uint16_t *)(wj + group / 2 * TILE);
+                for (int64_t i = 0; i < group / 2 * TILE; i++)
+                    wj[i] = (uint8_t)next_u64();
                 for (int64_t i = 0; i < TILE; i++) {
-                    sz[t * 2 * G * TILE + j * TILE + i] = to_bf16(uniform(0.01f, 0.1f));
-                    sz[t * 2 * G * TILE + (G + j) * TILE + i] = to_bf16(uniform(-0.05f, 0.05f));
+                    sz[i] = to_bf16(uniform(0.01f, 0.1f));
+                    sz[TILE + i] = to_bf16(uniform(-0.05f, 0.05f));
                 }
-        W.w = w, W.scales = sz;
+            }
+        W.w = w;
     }
     if (with_bias) {
         float *b = malloc(N * sizeof *b);
@@ -111,12 +113,13 @@ static double reference(const hs_matrix *W, const acts *a, const float *x, int64
         }
     } else {
         int64_t g = W->group, G = K / g, i = n % TILE;
-        const uint8_t *w = (const uint8_t *)W->w + n / TILE * TILE * (K / 2);
-        const uint16_t *sz = (const uint16_t *)W->scales + n / TILE * TILE * 2 * G;
+        const uint8_t *w = (const uint8_t *)W->w + n / TILE * G * q4_group_bytes(g);
         for (int64_t j = 0; j < G; j++) {
-            double scale = bf16f(sz[j * TILE + i]), zero = bf16f(sz[(G + j) * TILE + i]), d = a->d[m * G + j];
+            const uint8_t *wj = w + j * q4_group_bytes(g);
+            const uint16_t *sz = (const uint16_t *)(wj + g / 2 * TILE);
+            double scale = bf16f(sz[i]), zero = bf16f(sz[TILE + i]), d = a->d[m * G + j];
             for (int64_t k = j * g; k < (j + 1) * g; k++) {
-                uint8_t byte = w[(k / 8) * TILE * 4 + i * 4 + k % 4];
+                uint8_t byte = wj[((k - j * g) / 8) * TILE * 4 + i * 4 + k % 4];
                 double v = ((k % 8 < 4 ? byte & 15 : byte >> 4) - 8.0) * scale + zero;
                 sum += v * d * a->q[m * K + k];
                 mag += fabs(v * d * a->q[m * K + k]);

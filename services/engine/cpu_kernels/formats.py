@@ -4,9 +4,10 @@ one call that multiplies by it on the kernels' thread pool.
   fp32  float [N, K]                      bf16  bf16 [N, K]
   int8  uint8 = q + 128 (q in -127..127) in tiles of 16 rows: [N/16, K/4, 16, 4]; float scale [N]:
         w = q * scale
-  int4  uint8 in tiles of 16 rows: [N/16, K/8, 16, 4], byte (i, t) holding row i's inputs t (low nibble)
-        and 4 + t (high) of each 8; bf16 [N/16, 2, K/g, 16]: each group's scale, then its zero, per row:
-        w = (q - 8) * scale + zero
+  int4  uint8 in tiles of 16 rows, group after group ([N/16, K/g, g/2 * 16 + 64]): the group's nibbles
+        [g/8, 16, 4], byte (i, t) holding row i's inputs t (low nibble) and 4 + t (high) of each 8, then
+        its bf16 scale [16] and zero [16] per row: w = (q - 8) * scale + zero. One stream per tile: the
+        scales read apart cost a Zen 4 core a quarter of its one-row rate.
   A tile is what one vector op reads (rows.c); N is padded to a whole tile with zero rows.
 
 The int8 / int4 grids are quant/groupwise's (round to nearest): the same weights torch's kernels computed on.
@@ -120,12 +121,14 @@ def from_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: i
               bias: torch.Tensor | None = None) -> CpuMatrix:
     """q int [N, K] in 0..15, scale and zero [N, K / group]: w = (q - 8) * scale + zero."""
     n, k = q.shape
-    halves = _padded(q.to(torch.uint8), 8).view(-1, TILE, k // 8, 2, 4)
-    packed = halves[:, :, :, 0] | (halves[:, :, :, 1] << 4)  # [N/16, 16, K/8, 4]
-    weight = packed.transpose(1, 2).contiguous().view(-1, k // 2)
+    groups = k // group
+    halves = _padded(q.to(torch.uint8), 8).view(-1, TILE, groups, group // 8, 2, 4)
+    packed = halves[..., 0, :] | (halves[..., 1, :] << 4)  # [N/16, 16, G, g/8, 4]
+    nibbles = packed.permute(0, 2, 3, 1, 4).reshape(-1, groups, group // 2 * TILE)
     pair = torch.stack((_padded(scale.float(), 0.0), _padded(zero.float(), 0.0)), dim=1)  # [N', 2, G]
-    scales = pair.view(-1, TILE, 2, k // group).permute(0, 2, 3, 1).to(torch.bfloat16).contiguous()
-    return CpuMatrix("int4", (n, k), weight, scales, group, bias)
+    scales = pair.view(-1, TILE, 2, groups).permute(0, 3, 2, 1).to(torch.bfloat16).contiguous()  # [N/16, G, 2, 16]
+    weight = torch.cat((nibbles, scales.view(torch.uint8).view(-1, groups, 4 * TILE)), dim=2)
+    return CpuMatrix("int4", (n, k), weight.view(-1, k // 2 + 4 * groups), None, group, bias)
 
 
 def _padded(t: torch.Tensor, fill: float) -> torch.Tensor:
@@ -139,16 +142,18 @@ def dequantize(m: CpuMatrix) -> torch.Tensor:
     n, k = m.shape
     if m.format in ("fp32", "bf16"):
         return m.weight.float()
-    assert m.scales is not None  # int8 and int4 carry their scales
     if m.format == "int8":
+        assert m.scales is not None  # int8 carries its row scales
         tiles = m.weight.view(-1, k // 4, TILE, 4).transpose(1, 2).reshape(-1, k)[:n]
         return (tiles.to(torch.int16) - 128).float() * m.scales[:n, None]
-    packed = m.weight.view(-1, k // 8, TILE, 4).transpose(1, 2)  # [N/16, 16, K/8, 4]
-    q = torch.stack((packed & 15, packed >> 4), dim=3).reshape(-1, k)[:n].float()
-    pair = m.scales.float().permute(0, 3, 1, 2).reshape(-1, 2, k // m.group)[:n]
+    g, groups = m.group, k // m.group
+    blocks = m.weight.view(-1, groups, g // 2 * TILE + 4 * TILE)
+    packed = blocks[..., : g // 2 * TILE].reshape(-1, groups, g // 8, TILE, 4).permute(0, 3, 1, 2, 4)
+    q = torch.stack((packed & 15, packed >> 4), dim=4).reshape(-1, k)[:n].float()  # [N, K]
+    pair = blocks[..., g // 2 * TILE :].contiguous().view(torch.bfloat16).view(-1, groups, 2, TILE).float()
+    pair = pair.permute(0, 3, 2, 1).reshape(-1, 2, groups)[:n]  # [N, 2, G]
     scale, zero = pair[:, 0], pair[:, 1]
-    groups = q.view(n, k // m.group, m.group) - 8
-    return (groups * scale[..., None] + zero[..., None]).view(n, k)
+    return ((q.view(n, groups, g) - 8) * scale[..., None] + zero[..., None]).view(n, k)
 
 
 def matmul(x: torch.Tensor, m: CpuMatrix, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -12,11 +12,14 @@ enum { F32 = 0, BF16 = 1, Q8 = 2, Q4 = 3 };
 #define MB 8     /* activation rows per pass over a weight row (rows.c unrolls 1..MB) */
 #define NCHUNK 16 /* weight rows per work item */
 #define TILE 16   /* int8 and int4: weight rows interleaved per tile (rows.c; formats.py's TILE) */
+/* Q4: the bytes of one group of a tile: its nibbles [g/8][TILE][4], then its bf16 scales [TILE] and zeros [TILE],
+ * so a tile is one stream (a separate scales stream cost a Zen 4 core a quarter of its one-row rate). */
+static inline int64_t q4_group_bytes(int64_t g) { return g / 2 * TILE + 4 * TILE; }
 
 typedef struct {
     int64_t format, group, N, K;
     const void *w;
-    const void *scales; /* Q8: float [N]; Q4: bf16 [N, 2, G] */
+    const void *scales; /* Q8: float [N]; Q4: none (each group's scales lie in w, after its nibbles) */
     const float *bias;  /* [N] or NULL */
 } hs_matrix;
 

@@ -7,9 +7,9 @@
  *   F32  float [N, K]
  *   BF16 bf16 [N, K]; activations rounded to bf16 (vdpbf16ps where the CPU has it, as llama.cpp's BF16 does)
  *   Q8   uint8 [N, K] holding w + 128, one float scale per row; activations int8 per block of 64
- *   Q4   uint8 [N, K/2], per 64 inputs byte j holds input j (low nibble) and j + 32 (high); bf16 [N, 2, G]
- *        holds each group's scale then zero (w = (q - 8) * scale + zero, G = K / group); activations int8
- *        per group.
+ *   Q4   uint8 tiles of 16 rows, group after group (G = K / group): the group's nibbles (byte (i, t) of each 8
+ *        inputs holds row i's input t low, 4 + t high), then its bf16 scale and zero per row
+ *        (w = (q - 8) * scale + zero); activations int8 per group.
  * The integer formats multiply unsigned weights by signed int8 activations (vpdpbusd); the weights' offset
  * (128, or 8 with the zero) is folded into one correction per activation row or group, computed once.
  * Widths: K a multiple of 64 (of the group for Q4), any N. */

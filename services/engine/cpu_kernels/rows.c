@@ -92,6 +92,12 @@
 #ifndef SW_PREFETCH
 #define SW_PREFETCH SW_PREFETCH_DEFAULT
 #endif
+/* Activation rows from which the int4 tiles prefetch (below SW_PREFETCH's one row). Its tiles are one
+ * stream, scales among the nibbles; on a Zen 4 guest two rows ran a third faster without (a tile read once,
+ * quickly, is what the hardware prefetchers follow best), three to sixteen 5-40% slower (two rounds). */
+#ifndef Q4_PREFETCH_ROWS
+#define Q4_PREFETCH_ROWS 3
+#endif
 #define SPLIT_MAX 4 /* activation rows up to which each row's integer dot products run on two chains */
 
 
@@ -504,8 +510,9 @@ static void float_rows(const hs_matrix *W, const acts *a, const int64_t *rows, i
 }
 
 /* ---- int8 and int4: tiles of TILE weight rows, TILE lanes of one vector each (layouts: formats.py) ----
- * int8 tile: [K/4][TILE][4] bytes (w + 128); int4 tile: [K/8][TILE][4] bytes, byte (i, t) holding row i's
- * inputs t (low nibble) and 4 + t (high) of each 8; its (scale, zero) as bf16 [2][G][TILE]. One vpdpbusd
+ * int8 tile: [K/4][TILE][4] bytes (w + 128); int4 tile: group after group, [g/8][TILE][4] bytes, byte (i, t)
+ * holding row i's inputs t (low nibble) and 4 + t (high) of each 8, then the group's (scale, zero) as bf16
+ * [2][TILE] (q4_group_bytes). One vpdpbusd
  * multiplies 4 inputs of TILE rows by the same 4 activations (broadcast), so each group's scales apply to a
  * vector of rows and nothing is summed across lanes. */
 
@@ -557,9 +564,9 @@ INLINE void q8_tile(const uint8_t *w, const float *ws, const acts *a, const int6
                               _mm512_fmadd_ps(scale, _mm512_sub_ps(acc[r], _mm512_set1_ps(a->corr[rows[r]])), add));
 }
 
-INLINE void q4_tile(const uint8_t *w, const uint16_t *sz, int64_t g, const acts *a, const int64_t *rows, int mm,
-                    int64_t K, float *y, int64_t ldy, const float *bias, int valid) {
-    int64_t G = K / g;
+INLINE void q4_tile(const uint8_t *w, int64_t g, const acts *a, const int64_t *rows, int mm, int64_t K, float *y,
+                    int64_t ldy, const float *bias, int valid) {
+    int64_t G = K / g, gb = q4_group_bytes(g);
     const __m512i low = _mm512_set1_epi8(0x0f);
     __m512 acc[MB];
     const int8_t *x[MB];
@@ -568,13 +575,18 @@ INLINE void q4_tile(const uint8_t *w, const uint16_t *sz, int64_t g, const acts 
         x[r] = a->q + rows[r] * K;
     }
     for (int64_t j = 0; j < G; j++) {
+        /* wk + k / 2 * TILE: the nibbles of input k (of the whole row) in this group, whose block of nibbles,
+         * then scales and zeros, starts at w + j * gb. Indexed by k as x is: with 8 rows a second offset per
+         * row ran out of registers (16 rows a fifth slower). */
+        const uint8_t *wk = w + j * (gb - g / 2 * TILE);
+        if (SW_PREFETCH || mm >= Q4_PREFETCH_ROWS) /* every line of the group, its scales' too */
+            for (int64_t line = 0; line < gb; line += 64)
+                _mm_prefetch((const char *)(w + j * gb) + PREFETCH_BYTES + line, PREFETCH_HINT_INT);
         __m512i dot[MB], hid[MB]; /* low and high nibbles on two chains while few rows run (q8_tile) */
         for (int r = 0; r < mm; r++)
             dot[r] = hid[r] = _mm512_setzero_si512();
         for (int64_t k = j * g; k < (j + 1) * g; k += 8) {
-            if (SW_PREFETCH || mm > 1)
-                _mm_prefetch((const char *)(w + k / 2 * TILE) + PREFETCH_BYTES, PREFETCH_HINT_INT);
-            __m512i p = _mm512_loadu_si512(w + k / 2 * TILE);
+            __m512i p = _mm512_loadu_si512(wk + k / 2 * TILE);
             /* On two chains the high nibbles stay in place (16 times their value, exact in i32) and one shift a
              * group scales the sum back: a vector op fewer per 64 bytes. */
             __m512i lo = _mm512_and_si512(p, low);
@@ -590,7 +602,8 @@ INLINE void q4_tile(const uint8_t *w, const uint16_t *sz, int64_t g, const acts 
         if (mm <= SPLIT_MAX)
             for (int r = 0; r < mm; r++)
                 dot[r] = _mm512_add_epi32(dot[r], _mm512_srai_epi32(hid[r], 4));
-        __m512 scale = bf16x16(sz + j * TILE), zero = bf16x16(sz + (G + j) * TILE);
+        const uint16_t *sz = (const uint16_t *)(w + j * gb + g / 2 * TILE);
+        __m512 scale = bf16x16(sz), zero = bf16x16(sz + TILE);
         __m512 zero8 = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale, zero); /* the offset's and the zero's share */
         for (int r = 0; r < mm; r++) {
             int64_t at = rows[r] * G + j;
@@ -791,24 +804,26 @@ INLINE void q8_tile(const uint8_t *w, const float *ws, const acts *a, const int6
     }
 }
 
-INLINE void q4_tile(const uint8_t *w, const uint16_t *sz, int64_t g, const acts *a, const int64_t *rows, int mm,
-                    int64_t K, float *y, int64_t ldy, const float *bias, int valid) {
-    int64_t G = K / g;
+INLINE void q4_tile(const uint8_t *w, int64_t g, const acts *a, const int64_t *rows, int mm, int64_t K, float *y,
+                    int64_t ldy, const float *bias, int valid) {
+    int64_t G = K / g, gb = q4_group_bytes(g);
     __m256 lo[MB], hi[MB];
     for (int r = 0; r < mm; r++)
         lo[r] = hi[r] = _mm256_setzero_ps();
     for (int64_t j = 0; j < G; j++) {
-        for (int64_t k = j * g; k < (j + 1) * g; k += 8)
-            _mm_prefetch((const char *)(w + k / 2 * TILE) + PREFETCH_BYTES, PREFETCH_HINT_INT);
-        __m256 sl = bf16x8(sz + j * TILE), sh = bf16x8(sz + j * TILE + 8);
-        __m256 zl = bf16x8(sz + (G + j) * TILE), zh = bf16x8(sz + (G + j) * TILE + 8);
+        const uint8_t *wj = w + j * gb; /* the group's nibbles, then its scales and zeros */
+        for (int64_t line = 0; line < gb; line += 64)
+            _mm_prefetch((const char *)wj + PREFETCH_BYTES + line, PREFETCH_HINT_INT);
+        const uint16_t *sz = (const uint16_t *)(wj + g / 2 * TILE);
+        __m256 sl = bf16x8(sz), sh = bf16x8(sz + 8);
+        __m256 zl = bf16x8(sz + TILE), zh = bf16x8(sz + TILE + 8);
         const __m256 eight = _mm256_set1_ps(8.0f);
         zl = _mm256_fnmadd_ps(eight, sl, zl); /* the offset's and the zero's share, as the AVX-512 loop */
         zh = _mm256_fnmadd_ps(eight, sh, zh);
         for (int r = 0; r < mm; r++) {
             int64_t at = rows[r] * G + j;
             __m256i dl, dh;
-            q4_dots(w, a->q + rows[r] * K, j * g, (j + 1) * g, &dl, &dh);
+            q4_dots(wj, a->q + rows[r] * K + j * g, 0, g, &dl, &dh);
             __m256 d = _mm256_set1_ps(a->d[at]), ds = _mm256_set1_ps(a->dsum[at]);
             lo[r] = _mm256_fmadd_ps(zl, ds, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dl), _mm256_mul_ps(sl, d), lo[r]));
             hi[r] = _mm256_fmadd_ps(zh, ds, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dh), _mm256_mul_ps(sh, d), hi[r]));
@@ -842,20 +857,22 @@ INLINE void q8_tile(const uint8_t *w, const float *ws, const acts *a, const int6
         }
 }
 
-INLINE void q4_tile(const uint8_t *w, const uint16_t *sz, int64_t g, const acts *a, const int64_t *rows, int mm,
-                    int64_t K, float *y, int64_t ldy, const float *bias, int valid) {
+INLINE void q4_tile(const uint8_t *w, int64_t g, const acts *a, const int64_t *rows, int mm, int64_t K, float *y,
+                    int64_t ldy, const float *bias, int valid) {
     int64_t G = K / g;
     for (int r = 0; r < mm; r++)
         for (int i = 0; i < valid; i++) {
             const int8_t *x = a->q + rows[r] * K;
             float t = 0.0f;
             for (int64_t j = 0; j < G; j++) {
+                const uint8_t *wj = w + j * q4_group_bytes(g);
+                const uint16_t *sz = (const uint16_t *)(wj + g / 2 * TILE);
                 int32_t s = 0;
-                for (int64_t k = j * g; k < (j + 1) * g; k++) {
-                    uint8_t byte = w[(k / 8) * TILE * 4 + i * 4 + k % 4];
-                    s += (int32_t)(k % 8 < 4 ? byte & 15 : byte >> 4) * x[k];
+                for (int64_t k = 0; k < g; k++) {
+                    uint8_t byte = wj[(k / 8) * TILE * 4 + i * 4 + k % 4];
+                    s += (int32_t)(k % 8 < 4 ? byte & 15 : byte >> 4) * x[j * g + k];
                 }
-                float scale = bf16f(sz[j * TILE + i]), zero = bf16f(sz[(G + j) * TILE + i]);
+                float scale = bf16f(sz[i]), zero = bf16f(sz[TILE + i]);
                 int64_t at = rows[r] * G + j;
                 t += scale * a->d[at] * (float)s + (zero - 8.0f * scale) * a->dsum[at];
             }
@@ -905,10 +922,9 @@ void hs_rows_block(const hs_matrix *W, const acts *a, const int64_t *rows, int64
 #define Q8_BODY(mm) q8_tile(w, ws, a, rows + m, mm, K, y + m * ldy + n, ldy, b, valid)
             ROWS_SWITCH(M, Q8_BODY)
         } else {
-            const uint8_t *w = (const uint8_t *)W->w + n * (K / 2);
-            const uint16_t *sz = (const uint16_t *)W->scales + n * 2 * (K / W->group);
+            const uint8_t *w = (const uint8_t *)W->w + n / TILE * (K / W->group) * q4_group_bytes(W->group);
             const float *b = W->bias ? W->bias + n : NULL;
-#define Q4_BODY(mm) q4_tile(w, sz, W->group, a, rows + m, mm, K, y + m * ldy + n, ldy, b, valid)
+#define Q4_BODY(mm) q4_tile(w, W->group, a, rows + m, mm, K, y + m * ldy + n, ldy, b, valid)
             ROWS_SWITCH(M, Q4_BODY)
         }
     }

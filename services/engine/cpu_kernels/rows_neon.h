@@ -115,22 +115,23 @@ INLINE void q8_tile(const uint8_t *w, const float *ws, const acts *a, const int6
         neon_store(y + r * ldy, acc[r], ws, bias, valid);
 }
 
-/* int4 tile [K/8][TILE][4] (low nibble input t, high 4 + t of each 8), (scale, zero) bf16 [2][G][TILE]:
- * w = (q - 8) * scale + zero, so a group adds scale * d * sum(q x) + (zero - 8 scale) * d * sum(x). */
-INLINE void q4_tile(const uint8_t *w, const uint16_t *sz, int64_t g, const acts *a, const int64_t *rows, int mm,
-                    int64_t K, float *y, int64_t ldy, const float *bias, int valid) {
-    int64_t G = K / g;
+/* int4 tile, group after group: [g/8][TILE][4] (low nibble input t, high 4 + t of each 8), then (scale, zero)
+ * bf16 [2][TILE]: w = (q - 8) * scale + zero, so a group adds scale * d * sum(q x) + (zero - 8 scale) * d * sum(x). */
+INLINE void q4_tile(const uint8_t *w, int64_t g, const acts *a, const int64_t *rows, int mm, int64_t K, float *y,
+                    int64_t ldy, const float *bias, int valid) {
+    int64_t G = K / g, gb = q4_group_bytes(g);
     float32x4_t acc[MB][4];
     neon_zero(acc, mm);
     for (int64_t jg = 0; jg < G; jg++) {
-        const uint8_t *wg = w + jg * g / 2 * TILE;
-        for (int64_t line = 0; line < g / 2 * TILE; line += 64)
+        const uint8_t *wg = w + jg * gb; /* the group's nibbles, then its scales and zeros */
+        const uint16_t *sz = (const uint16_t *)(wg + g / 2 * TILE);
+        for (int64_t line = 0; line < gb; line += 64)
             __builtin_prefetch((const char *)wg + PREFETCH_BYTES + line, 0, 3);
         float32x4_t scale[4], zero8[4];
         for (int j = 0; j < 4; j++) {
-            scale[j] = bf16x4(sz + jg * TILE + 4 * j);
+            scale[j] = bf16x4(sz + 4 * j);
             /* the offset's and the zero's share */
-            zero8[j] = vfmsq_f32(bf16x4(sz + (G + jg) * TILE + 4 * j), vdupq_n_f32(8.0f), scale[j]);
+            zero8[j] = vfmsq_f32(bf16x4(sz + TILE + 4 * j), vdupq_n_f32(8.0f), scale[j]);
         }
         for (int r = 0; r < mm; r++) {
             const int8_t *x = a->q + rows[r] * K + jg * g;

@@ -14,6 +14,7 @@ from services.engine.quant.packed import PackedMatrix
 def packed_linear(x: torch.Tensor, m: PackedMatrix) -> torch.Tensor:
     if m.on_cpu:
         return formats.matmul(x, m.cpu_matrix()).to(x.dtype)
+    assert m.scales is not None  # CUDA layouts keep their scales apart
     xs = x.to(m.scales.dtype)
     if m.bits == 8:
         y = torch.ops.aten._weight_int8pack_mm(xs, m.qweight, m.scales)

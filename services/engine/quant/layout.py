@@ -39,15 +39,19 @@ class QuantizedExpertLayout:
         self.scheme = scheme
         self.device = torch.device(device)
         self.shapes = {"gate_up": (2 * intermediate, hidden), "down": (hidden, intermediate)}
-        self.pieces: dict[str, tuple[_Piece, _Piece]] = {}
+        self.pieces: dict[str, tuple[_Piece, _Piece | None]] = {}
         offset = 0
         for name, shape in self.shapes.items():
             probe = pack_matrix(torch.zeros(shape), scheme, self.device)  # the kernel layout's real shapes
-            parts = []
+            parts: list[_Piece | None] = []
             for t in (probe.qweight, probe.scales):
+                if t is None:  # CPU int4: its scales lie among its nibbles
+                    parts.append(None)
+                    continue
                 nbytes = t.numel() * t.element_size()
                 parts.append(_Piece(offset, nbytes, t.dtype, tuple(t.shape)))
                 offset = _aligned(offset + nbytes)
+            assert parts[0] is not None  # every layout has its weights
             self.pieces[name] = (parts[0], parts[1])
             if name == "gate_up":
                 self.gate_up_numel = offset
@@ -63,7 +67,8 @@ class QuantizedExpertLayout:
             packed = pack_matrix(matrix, self.scheme, self.device)
             qweight, scales = self.pieces[name]
             qweight.view(flat).copy_(packed.qweight)
-            scales.view(flat).copy_(packed.scales)
+            if scales is not None and packed.scales is not None:
+                scales.view(flat).copy_(packed.scales)
 
     def views(self, flat: torch.Tensor) -> QuantizedExpertWeights:
         gate_up, down = (self._matrix(name, flat) for name in ("gate_up", "down"))
@@ -74,8 +79,8 @@ class QuantizedExpertLayout:
 
     def _matrix(self, name: str, flat: torch.Tensor) -> PackedMatrix:
         qweight, scales = self.pieces[name]
-        return PackedMatrix(self.scheme.bits, self.scheme.group_size, self.shapes[name],
-                            qweight.view(flat), scales.view(flat), on_cpu=self.device.type == "cpu")
+        return PackedMatrix(self.scheme.bits, self.scheme.group_size, self.shapes[name], qweight.view(flat),
+                            None if scales is None else scales.view(flat), on_cpu=self.device.type == "cpu")
 
 
 StoredLayout = ExpertLayout | QuantizedExpertLayout  # one expert's flat buffer, dense or packed

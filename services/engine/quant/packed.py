@@ -35,13 +35,14 @@ class PackedMatrix:
     group_size: int
     shape: tuple[int, int]  # (out, in) of the float matrix
     qweight: torch.Tensor
-    scales: torch.Tensor  # CUDA int4: [in/g, out, 2] (scale, zero); int8: [out]; CPU: see formats
+    scales: torch.Tensor | None  # CUDA int4: [in/g, out, 2] (scale, zero); int8: [out]; CPU: see formats (int4:
+    # None, its scales lie among its nibbles)
     on_cpu: bool = False  # in the native CPU kernels' layout (else torch's CUDA one)
     _cpu: formats.CpuMatrix | None = field(default=None, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales))
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales) if t is not None)
 
     def cpu_matrix(self) -> formats.CpuMatrix:
         """The same bytes as the native kernels' matrix (made once: it holds their pointers)."""
@@ -63,7 +64,6 @@ def pack_matrix(w: torch.Tensor, scheme: QuantScheme, device: torch.device | str
     n, k = w.shape
     if device.type == "cpu":
         m = formats.pack(w, f"int{scheme.bits}", scheme.group_size)
-        assert m.scales is not None  # an integer format has its scales
         return PackedMatrix(scheme.bits, scheme.group_size, (n, k), m.weight, m.scales, on_cpu=True)
     if scheme.bits == 8:
         q, scale = quantize_int8(w)
@@ -79,7 +79,6 @@ def pack_int4(
     n, k = q.shape
     if device.type == "cpu":
         m = formats.from_int4(q, scale, zero, group_size)
-        assert m.scales is not None  # an integer format has its scales
         return PackedMatrix(4, group_size, (n, k), m.weight, m.scales, on_cpu=True)
     scales = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(device, SCALE_DTYPE)
     nibbles = (q[:, ::2] << 4 | q[:, 1::2]).to(device, torch.uint8)
