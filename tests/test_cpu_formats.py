@@ -58,6 +58,21 @@ def test_packed_grids_are_the_groupwise_quantisers() -> None:
     assert formats.pack(w, "int4", 64).nbytes < formats.pack(w, "int8").nbytes < formats.pack(w, "bf16").nbytes
 
 
+def test_an_int4_tile_is_one_stream_each_groups_scales_after_its_nibbles() -> None:
+    """Row i's scale and zero of group j lie right after that group's nibbles in its tile (no second stream)."""
+    n, k, group = 40, 192, 64
+    w = torch.randn(n, k)
+    q, scale, zero = quantize_int4(w, group)
+    m = formats.pack(w, "int4", group)
+    groups, block = k // group, group // 2 * formats.TILE + 4 * formats.TILE
+    assert m.scales is None and m.nbytes == 48 // formats.TILE * groups * block
+    blocks = m.weight.view(-1, groups, block)
+    for row, j in ((0, 0), (17, 2), (39, 1)):
+        pair = blocks[row // formats.TILE, j, -4 * formats.TILE:].view(torch.bfloat16).view(2, formats.TILE)
+        assert pair[0, row % formats.TILE] == scale[row, j].bfloat16()
+        assert pair[1, row % formats.TILE] == zero[row, j].bfloat16()
+
+
 def test_widths_the_kernels_cannot_take_run_on_torch() -> None:
     """An input width off the kernels' vectors (96) still computes, through the dequantised matrix."""
     w, x = torch.randn(48, 96), torch.randn(3, 96)
