@@ -252,7 +252,7 @@ INLINE void avx512_float_dots(const char *w, int is_bf16, const acts *a, const i
         for (int64_t k = 0; k < K; k += 64) {
             const char *at = w + k * (is_bf16 ? 2 : 4);
             for (int64_t line = 0; line < step_bytes; line += 64) {
-                if (!is_bf16)
+                if (!is_bf16 && PREFETCH_BYTES_F32 > 0)
                     _mm_prefetch(at + PREFETCH_BYTES_F32 + line, PREFETCH_HINT_F32);
                 else if (SW_PREFETCH)
                     _mm_prefetch(at + 2 * PREFETCH_BYTES + line, PREFETCH_HINT_BF16W);
