@@ -35,6 +35,11 @@ FORMAT_IDS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3}
 TILE = 16  # rows.c's TILE: weight rows interleaved per tile (int8, int4)
 
 
+def q4_group_bytes(group: int) -> int:
+    """hs.h's q4_group_bytes: one int4 group of a tile, its nibbles then its bf16 scales and zeros."""
+    return group // 2 * TILE + 4 * TILE
+
+
 class _NativeMatrix(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in ("format", "group", "N", "K")] + [
         (name, ctypes.c_void_p) for name in ("w", "scales", "bias")]
@@ -128,7 +133,7 @@ def from_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: i
     pair = torch.stack((_padded(scale.float(), 0.0), _padded(zero.float(), 0.0)), dim=1)  # [N', 2, G]
     scales = pair.view(-1, TILE, 2, groups).permute(0, 3, 2, 1).to(torch.bfloat16).contiguous()  # [N/16, G, 2, 16]
     weight = torch.cat((nibbles, scales.view(torch.uint8).view(-1, groups, 4 * TILE)), dim=2)
-    return CpuMatrix("int4", (n, k), weight.view(-1, k // 2 + 4 * groups), None, group, bias)
+    return CpuMatrix("int4", (n, k), weight.view(-1, groups * q4_group_bytes(group) // TILE), None, group, bias)
 
 
 def _padded(t: torch.Tensor, fill: float) -> torch.Tensor:
@@ -147,7 +152,7 @@ def dequantize(m: CpuMatrix) -> torch.Tensor:
         tiles = m.weight.view(-1, k // 4, TILE, 4).transpose(1, 2).reshape(-1, k)[:n]
         return (tiles.to(torch.int16) - 128).float() * m.scales[:n, None]
     g, groups = m.group, k // m.group
-    blocks = m.weight.view(-1, groups, g // 2 * TILE + 4 * TILE)
+    blocks = m.weight.view(-1, groups, q4_group_bytes(g))
     packed = blocks[..., : g // 2 * TILE].reshape(-1, groups, g // 8, TILE, 4).permute(0, 3, 1, 2, 4)
     q = torch.stack((packed & 15, packed >> 4), dim=4).reshape(-1, k)[:n].float()  # [N, K]
     pair = blocks[..., g // 2 * TILE :].contiguous().view(torch.bfloat16).view(-1, groups, 2, TILE).float()

@@ -252,9 +252,10 @@ INLINE void avx512_float_dots(const char *w, int is_bf16, const acts *a, const i
         for (int64_t k = 0; k < K; k += 64) {
             const char *at = w + k * (is_bf16 ? 2 : 4);
             for (int64_t line = 0; line < step_bytes; line += 64) {
-                if (!is_bf16 && PREFETCH_BYTES_F32 > 0)
-                    _mm_prefetch(at + PREFETCH_BYTES_F32 + line, PREFETCH_HINT_F32);
-                else if (SW_PREFETCH)
+                if (!is_bf16) {
+                    if (PREFETCH_BYTES_F32 > 0)
+                        _mm_prefetch(at + PREFETCH_BYTES_F32 + line, PREFETCH_HINT_F32);
+                } else if (SW_PREFETCH)
                     _mm_prefetch(at + 2 * PREFETCH_BYTES + line, PREFETCH_HINT_BF16W);
             }
             acc[0] = _mm512_fmadd_ps(load16(w, is_bf16, k), _mm512_loadu_ps(x[0] + k), acc[0]);
@@ -575,13 +576,13 @@ INLINE void q4_tile(const uint8_t *w, int64_t g, const acts *a, const int64_t *r
         x[r] = a->q + rows[r] * K;
     }
     for (int64_t j = 0; j < G; j++) {
-        /* wk + k / 2 * TILE: the nibbles of input k (of the whole row) in this group, whose block of nibbles,
-         * then scales and zeros, starts at w + j * gb. Indexed by k as x is: with 8 rows a second offset per
-         * row ran out of registers (16 rows a fifth slower). */
-        const uint8_t *wk = w + j * (gb - g / 2 * TILE);
+        const uint8_t *block = w + j * gb; /* the group's nibbles, then its scales and zeros */
+        /* wk + k / 2 * TILE: the nibbles of input k (of the whole row) in this group's block. Indexed by k as
+         * x is: with 8 rows a second offset per row ran out of registers (16 rows a fifth slower). */
+        const uint8_t *wk = block - j * g / 2 * TILE;
         if (SW_PREFETCH || mm >= Q4_PREFETCH_ROWS) /* every line of the group, its scales' too */
             for (int64_t line = 0; line < gb; line += 64)
-                _mm_prefetch((const char *)(w + j * gb) + PREFETCH_BYTES + line, PREFETCH_HINT_INT);
+                _mm_prefetch((const char *)block + PREFETCH_BYTES + line, PREFETCH_HINT_INT);
         __m512i dot[MB], hid[MB]; /* low and high nibbles on two chains while few rows run (q8_tile) */
         for (int r = 0; r < mm; r++)
             dot[r] = hid[r] = _mm512_setzero_si512();
@@ -602,7 +603,7 @@ INLINE void q4_tile(const uint8_t *w, int64_t g, const acts *a, const int64_t *r
         if (mm <= SPLIT_MAX)
             for (int r = 0; r < mm; r++)
                 dot[r] = _mm512_add_epi32(dot[r], _mm512_srai_epi32(hid[r], 4));
-        const uint16_t *sz = (const uint16_t *)(w + j * gb + g / 2 * TILE);
+        const uint16_t *sz = (const uint16_t *)(block + g / 2 * TILE);
         __m512 scale = bf16x16(sz), zero = bf16x16(sz + TILE);
         __m512 zero8 = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale, zero); /* the offset's and the zero's share */
         for (int r = 0; r < mm; r++) {
