@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -59,6 +60,17 @@ class HostCompute(Protocol):
 
 
 @dataclass
+class CachedBatch:
+    """A layer's device experts whose weights sit ready in the cache's slots, computed by one native MoE call
+    (the resident engine's): `slots` holds every slot's matrices, `matrix_of` each expert id's slot, -1 for the
+    experts left to `get`."""
+
+    experts: list[int]
+    slots: NativeExperts
+    matrix_of: ctypes.Array
+
+
+@dataclass
 class LayerPlan:
     """Where one layer's experts are computed: `device` in this order (weights from `get`), `host` by the
     provider itself (`host_forward`, started before the device loop so both sides overlap), `split`: the
@@ -85,6 +97,11 @@ class ExpertProvider(ABC):
 
     @abstractmethod
     def get(self, layer: int, expert: int) -> StoredWeights: ...
+
+    def cached_batch(self, layer: int, experts: list[int]) -> CachedBatch | None:
+        """Those of the plan's device `experts` ready in the cache now, for one native call before any `get`;
+        they stay pinned until the next `get` or `end_layer`. None: each goes through `get`."""
+        return None
 
     def host_forward(self, layer: int, expert: int, x: torch.Tensor, sink: HostSink | None = None) -> HostResult:
         """Computes a host-placed expert on its tokens `x`; the result lands on x's device (or, by `sink`, in

@@ -13,8 +13,9 @@
 #include "hs.h"
 
 int hs_linear(const hs_matrix *W, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t M);
-int hs_moe(const hs_matrix *gate_up, const hs_matrix *down, int64_t E, const float *x, int64_t ldx, int64_t T,
-           const int64_t *ids, const float *weights, int64_t top_k, float *out);
+int hs_moe(const hs_matrix *gate_up, const hs_matrix *down, int64_t M, const int64_t *matrix_of, int64_t E,
+           const float *x, int64_t ldx, int64_t T, const int64_t *ids, const float *weights, int64_t top_k,
+           float *out);
 int hs_set_threads(int threads);
 const char *hs_isa(void);
 
@@ -169,12 +170,16 @@ static void check_linear(int64_t format, int64_t N, int64_t K, int64_t M, int wi
     free((void *)W.w), free((void *)W.scales), free((void *)W.bias);
 }
 
-/* hs_moe (E experts, each token to top_k of them) against one-row hs_linear calls and a scalar SwiGLU. */
-static void check_moe(int64_t format, int64_t H, int64_t I, int64_t E, int64_t T, int64_t top_k) {
+/* hs_moe (E experts, each token to top_k of them) against one-row hs_linear calls and a scalar SwiGLU. mapped:
+ * the matrices in reverse order through matrix_of, expert 1 left out (-1: its assignments add nothing), as the
+ * offload path computes a layer's cached experts from their slots. */
+static void check_moe(int64_t format, int64_t H, int64_t I, int64_t E, int64_t T, int64_t top_k, int mapped) {
     hs_matrix gate_up[8], down[8];
+    int64_t matrix_of[8];
     for (int64_t e = 0; e < E; e++) {
         gate_up[e] = make_matrix(format, 2 * I, H, 64, 0);
         down[e] = make_matrix(format, H, I, 64, 0);
+        matrix_of[e] = e == 1 ? -1 : E - 1 - e;
     }
     float *x = malloc(T * H * sizeof *x), *weights = malloc(T * top_k * sizeof *weights);
     float *out = malloc(T * H * sizeof *out), *h = malloc(2 * I * sizeof *h), *act = malloc(I * sizeof *act);
@@ -187,7 +192,7 @@ static void check_moe(int64_t format, int64_t H, int64_t I, int64_t E, int64_t T
             ids[t * top_k + k] = (t + 3 * k) % E; /* distinct per token while top_k <= E / 3 + 1 */
             weights[t * top_k + k] = uniform(0.1f, 1.0f);
         }
-    if (hs_moe(gate_up, down, E, x, H, T, ids, weights, top_k, out) != 0) {
+    if (hs_moe(gate_up, down, E, mapped ? matrix_of : NULL, E, x, H, T, ids, weights, top_k, out) != 0) {
         printf("FAIL %s: hs_moe failed\n", NAMES[format]);
         failures++;
         return;
@@ -195,7 +200,9 @@ static void check_moe(int64_t format, int64_t H, int64_t I, int64_t E, int64_t T
     for (int64_t t = 0; t < T; t++) {
         double *want = calloc(H, sizeof *want);
         for (int64_t k = 0; k < top_k; k++) {
-            int64_t e = ids[t * top_k + k];
+            int64_t e = mapped ? matrix_of[ids[t * top_k + k]] : ids[t * top_k + k];
+            if (e < 0)
+                continue;
             hs_linear(&gate_up[e], x + t * H, H, h, 2 * I, 1);
             for (int64_t i = 0; i < I; i++)
                 act[i] = h[i] / (1.0f + expf(-h[i])) * h[I + i];
@@ -205,8 +212,8 @@ static void check_moe(int64_t format, int64_t H, int64_t I, int64_t E, int64_t T
         }
         for (int64_t i = 0; i < H; i++) {
             char what[64];
-            snprintf(what, sizeof what, "moe %s T=%lld [%lld, %lld]", NAMES[format], (long long)T, (long long)t,
-                     (long long)i);
+            snprintf(what, sizeof what, "moe%s %s T=%lld [%lld, %lld]", mapped ? " mapped" : "", NAMES[format],
+                     (long long)T, (long long)t, (long long)i);
             expect_close(what, out[t * H + i], want[i], fabs(want[i]), 1e-4);
         }
         free(want);
@@ -229,8 +236,10 @@ int main(void) {
                 check_linear(format, 16, 128, rows[r], 0);
             }
         for (int64_t format = F32; format <= Q4; format++) {
-            check_moe(format, 128, 64, 5, 1, 2);
-            check_moe(format, 128, 64, 5, 7, 2);
+            for (int mapped = 0; mapped <= 1; mapped++) {
+                check_moe(format, 128, 64, 5, 1, 2, mapped);
+                check_moe(format, 128, 64, 5, 7, 2, mapped);
+            }
         }
     }
     printf("checked %d cases, %d failed\n", cases, failures);

@@ -198,9 +198,11 @@ def native_array(matrices: list[CpuMatrix]) -> ctypes.Array:
 
 
 def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: ctypes.Array,
-        down: ctypes.Array | None, width: int) -> torch.Tensor:
+        down: ctypes.Array | None, width: int, matrix_of: ctypes.Array | None = None) -> torch.Tensor:
     """Each token's top-k experts (ids, weights [T, k]) on x [T, H], weighted and summed, in one native call
-    ([T, width = H]); down None: one expert's SwiGLU activation only ([T, width = I], a split expert's half)."""
+    ([T, width = H]); down None: one expert's SwiGLU activation only ([T, width = I], a split expert's half).
+    matrix_of: the matrix index of each expert id, -1 for one left out (adds nothing); None: expert e is
+    matrix e."""
     x = x if x.dtype == torch.float32 and x.stride(-1) == 1 else x.float().contiguous()
     # Checked before converting: each no-op .to()/.contiguous() still costs a dispatch (~0.4 us), and a
     # decode layer's host jobs call this once per expert.
@@ -209,11 +211,12 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: ctyp
     if weights.dtype != torch.float32 or not weights.is_contiguous():
         weights = weights.to(torch.float32).contiguous()
     out = torch.empty(x.shape[0], width)
+    experts = len(gate_up) if matrix_of is None else len(matrix_of)
     status = cpu_kernels.loaded().hs_moe(
-        gate_up, down, len(gate_up), x.data_ptr(), x.stride(0), x.shape[0], ids.data_ptr(), weights.data_ptr(),
-        ids.shape[1], out.data_ptr())
+        gate_up, down, len(gate_up), matrix_of, experts, x.data_ptr(), x.stride(0), x.shape[0], ids.data_ptr(),
+        weights.data_ptr(), ids.shape[1], out.data_ptr())
     if status == -1:
-        raise ValueError(f"expert id out of range 0..{len(gate_up) - 1}")
+        raise ValueError(f"expert id out of range 0..{experts - 1}, or a matrix index out of 0..{len(gate_up) - 1}")
     if status:
         raise MemoryError("native MoE: out of memory for its scratch")
     return out

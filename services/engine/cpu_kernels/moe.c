@@ -63,20 +63,28 @@ static void down_item(void *ctx, int64_t item) {
 static int64_t up64(int64_t bytes) { return (bytes + 127) & ~(int64_t)63; }
 
 /* out[T, H] = sum over each token's top_k experts (ids, weights [T, top_k]) of weight * SwiGLU expert(x).
- * gate_up, down: [E] matrices, one format and shape for all. down NULL (a split expert's host half, top_k 1):
- * out[T, I] = the SwiGLU activation, unweighted. Returns 0, -1 on an expert id out of range, -2 when out of
- * memory. */
-int hs_moe(const hs_matrix *gate_up, const hs_matrix *down, int64_t E, const float *x, int64_t ldx, int64_t T,
-           const int64_t *ids, const float *weights, int64_t top_k, float *out) {
+ * gate_up, down: [M] matrices, one format and shape for all. matrix_of: [E], the matrix of each expert id, or -1
+ * for an expert this call leaves out (its assignments add nothing: the offload path computes a layer's cached
+ * experts in one call, from their slots, and adds the others after); NULL: expert e is matrix e (E == M).
+ * down NULL (a split expert's host half, top_k 1): out[T, I] = the SwiGLU activation, unweighted (zero rows for
+ * an expert left out). Returns 0, -1 on an expert id or matrix index out of range, -2 when out of memory. */
+int hs_moe(const hs_matrix *gate_up, const hs_matrix *down, int64_t M, const int64_t *matrix_of, int64_t E,
+           const float *x, int64_t ldx, int64_t T, const int64_t *ids, const float *weights, int64_t top_k,
+           float *out) {
     int64_t A = T * top_k, H = gate_up[0].K, I = gate_up[0].N / 2;
+    if (!matrix_of && E != M)
+        return -1;
     for (int64_t i = 0; i < A; i++)
         if (ids[i] < 0 || ids[i] >= E)
+            return -1;
+    for (int64_t e = 0; matrix_of && e < E; e++)
+        if (matrix_of[e] < -1 || matrix_of[e] >= M)
             return -1;
     const int64_t *identity = hs_identity_rows(A);
     if (!identity)
         return -2;
     int64_t in_bytes = up64(hs_acts_bytes(&gate_up[0], T)), mid_bytes = down ? up64(hs_acts_bytes(&down[0], A)) : 0;
-    int64_t ints = 4 * E + 2 + 2 * A;
+    int64_t ints = 4 * M + 2 + 2 * A;
     int64_t bytes = in_bytes + mid_bytes + up64(ints * 8) + up64(A * 2 * I * 4) + up64(A * I * 4) + up64(A * H * 4);
     char *base = hs_scratch(bytes);
     if (!base)
@@ -87,8 +95,8 @@ int hs_moe(const hs_matrix *gate_up, const hs_matrix *down, int64_t E, const flo
     p += in_bytes;
     char *mid_scratch = p;
     p += mid_bytes;
-    int64_t *counts = (int64_t *)p, *expert_of = counts + E, *start = expert_of + E, *items = start + E + 1;
-    int64_t *token_of = items + E + 1, *pos = token_of + A;
+    int64_t *counts = (int64_t *)p, *expert_of = counts + M, *start = expert_of + M, *items = start + M + 1;
+    int64_t *token_of = items + M + 1, *pos = token_of + A;
     p += up64(ints * 8);
     float *h = (float *)p, *act = (float *)(p + up64(A * 2 * I * 4));
     float *y = (float *)((char *)act + up64(A * I * 4));
@@ -97,14 +105,16 @@ int hs_moe(const hs_matrix *gate_up, const hs_matrix *down, int64_t E, const flo
         mid.bf16 = NULL, mid.q = NULL;
     hs_acts_fill(&in, 0, T);
 
-    /* Counting sort of the assignments by expert, tokens ascending within each. */
-    memset(counts, 0, E * sizeof *counts);
+    /* Counting sort of the assignments by matrix, tokens ascending within each; pos -1: left out. */
+#define MATRIX(i) (matrix_of ? matrix_of[ids[i]] : ids[i])
+    memset(counts, 0, M * sizeof *counts);
     for (int64_t i = 0; i < A; i++)
-        counts[ids[i]]++;
+        if (MATRIX(i) >= 0)
+            counts[MATRIX(i)]++;
     int64_t active = 0;
     start[0] = 0;
     items[0] = 0;
-    for (int64_t e = 0; e < E; e++) {
+    for (int64_t e = 0; e < M; e++) {
         if (!counts[e])
             continue;
         expert_of[active] = e;
@@ -114,16 +124,24 @@ int hs_moe(const hs_matrix *gate_up, const hs_matrix *down, int64_t E, const flo
         active++;
     }
     for (int64_t i = 0; i < A; i++) {
-        int64_t a = counts[ids[i]]++;
+        if (MATRIX(i) < 0) {
+            pos[i] = -1;
+            continue;
+        }
+        int64_t a = counts[MATRIX(i)]++;
         token_of[a] = i / top_k;
         pos[i] = a;
     }
+#undef MATRIX
     moe_job job = {gate_up, down, expert_of, start, token_of, items, identity, active, I, H, &in, &mid, h, act, y};
     hs_parallel(gate_up_item, &job, items[active]);
-    hs_parallel(swiglu_item, &job, A);
+    hs_parallel(swiglu_item, &job, start[active]);
     if (!down) {
         for (int64_t i = 0; i < A; i++)
-            memcpy(out + i * I, act + pos[i] * I, I * sizeof *out);
+            if (pos[i] < 0)
+                memset(out + i * I, 0, I * sizeof *out);
+            else
+                memcpy(out + i * I, act + pos[i] * I, I * sizeof *out);
         return 0;
     }
     for (int64_t s = 0; s < active; s++) /* down has H rows, not 2I */
@@ -133,6 +151,8 @@ int hs_moe(const hs_matrix *gate_up, const hs_matrix *down, int64_t E, const flo
         float *o = out + t * H;
         memset(o, 0, H * sizeof *o);
         for (int64_t k = 0; k < top_k; k++) {
+            if (pos[t * top_k + k] < 0)
+                continue;
             const float *src = y + pos[t * top_k + k] * H;
             float w = weights[t * top_k + k];
             for (int64_t i = 0; i < H; i++)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import TypeGuard
 
 import torch
@@ -90,53 +91,85 @@ def record_routing(layer: int, routing: Routing, ctx: StepContext) -> None:
     ctx.layer_routed(layer)
 
 
+def _counts(experts: torch.Tensor, num_experts: int) -> list[int]:
+    """Tokens routed to each expert: a decode step's few assignments counted in Python (a bincount and its
+    tolist cost a full-cache offload layer a fifth of its own time), a prefill's by torch."""
+    if experts.numel() > 64:
+        return torch.bincount(experts.flatten(), minlength=num_experts).tolist()
+    counts = [0] * num_experts
+    for token in experts.tolist():
+        for expert in token:
+            counts[expert] += 1
+    return counts
+
+
+class _Grouped:
+    """A layer's (token, expert) assignments grouped by expert, tokens ascending: made only for experts computed
+    one at a time (a cached batch and the resident call group their own, in C)."""
+
+    def __init__(self, experts: torch.Tensor, weights: torch.Tensor, counts: list[int], native: bool) -> None:
+        self.order = torch.argsort(experts.flatten(), stable=True)
+        self.token_of = self.order // experts.shape[1]
+        weight_of = weights.flatten().index_select(0, self.order)
+        self.weight_of = weight_of.to(torch.float32) if native else weight_of[:, None]
+        self.offsets = list(itertools.accumulate(counts, initial=0))
+
+
 def moe_forward(
     x: torch.Tensor, layer: int, routing: Routing, provider: ExpertProvider, ctx: StepContext
 ) -> torch.Tensor:
     """x: [tokens, hidden] -> [tokens, hidden], the weighted sum of each token's top-k experts."""
     weights, experts, probs = routing
     record_routing(layer, routing, ctx)
-    top_k = experts.shape[1]
-
-    flat_experts = experts.flatten()
-    order = torch.argsort(flat_experts, stable=True)  # assignments grouped by expert, tokens ascending
-    token_of_assignment = order // top_k
-    weight_of_assignment = weights.flatten().index_select(0, order)
-    counts = torch.bincount(flat_experts, minlength=probs.shape[-1]).tolist()
-    offsets = [0]
-    for c in counts:
-        offsets.append(offsets[-1] + c)
-
+    counts = _counts(experts, probs.shape[-1])
     active = [e for e, c in enumerate(counts) if c]
     # One torch thread on fp32 CPU activations: each expert's rows are gathered, computed and added into
     # `out` by one native call, with no per-expert tensors; otherwise outputs are sorted, then un-sorted.
     native = cpu_kernels.usable(x) and cpu_kernels.widths_supported(x.shape[1]) and x.stride(-1) == 1
-    if native:
-        out = torch.zeros_like(x)
-        weight_of_assignment = weight_of_assignment.to(torch.float32)
-    else:
-        outputs = torch.empty(len(order), x.shape[1], dtype=x.dtype, device=x.device)
-        weight_of_assignment = weight_of_assignment[:, None]
+    grouped: _Grouped | None = None
+
+    def group() -> _Grouped:
+        nonlocal grouped
+        if grouped is None:
+            grouped = _Grouped(experts, weights, counts, native)
+        return grouped
+
+    out: torch.Tensor | None = None  # native: made by the cached batch's call, or zeros at the first add
+    outputs: torch.Tensor | None = None
 
     def add(expert: int, rows_in: torch.Tensor, gate_up: torch.Tensor | None, down: torch.Tensor | None,
             gather: torch.Tensor | None) -> None:
         """Native: the expert's rows (rows_in's own, or x's through gather) through the halves given, into out."""
-        start = offsets[expert]
-        cpu_kernels.expert_rows(rows_in, gate_up, down, out, offsets[expert + 1] - start, start, gather,
-                                token_of_assignment, weight_of_assignment)
+        nonlocal out
+        if out is None:
+            out = torch.zeros_like(x)
+        g = group()
+        start = g.offsets[expert]
+        cpu_kernels.expert_rows(rows_in, gate_up, down, out, g.offsets[expert + 1] - start, start, gather,
+                                g.token_of, g.weight_of)
 
     def emit(expert: int, y: torch.Tensor) -> None:
+        nonlocal outputs
         if native:
             add(expert, y, None, None, None)
-        else:
-            start, end = offsets[expert], offsets[expert + 1]
-            outputs[start:end] = y * weight_of_assignment[start:end]
+            return
+        g = group()
+        if outputs is None:
+            outputs = torch.empty(len(g.order), x.shape[1], dtype=x.dtype, device=x.device)
+        start, end = g.offsets[expert], g.offsets[expert + 1]
+        outputs[start:end] = y * g.weight_of[start:end]
+
+    def rows(expert: int) -> torch.Tensor:
+        """The expert's tokens; one token (batch-1 decode) is every routed expert's one row: x itself, read
+        only, with no copy."""
+        if x.shape[0] == 1:
+            return x
+        g = group()
+        return x.index_select(0, g.token_of[g.offsets[expert] : g.offsets[expert + 1]])
 
     plan = provider.begin_layer(layer, active, ctx, [counts[e] for e in active])
     # Host work first, so its worker threads run while the device computes the rest; split experts' halves
     # first of all, since the device finishes them.
-    # One token (batch-1 decode) is every routed expert's one row: x itself, read only, with no copy.
-    rows = lambda e: x if x.shape[0] == 1 else x.index_select(0, token_of_assignment[offsets[e] : offsets[e + 1]])  # noqa: E731
     split = [(e, provider.host_activation(layer, e, rows(e))) for e in plan.split]
 
     def in_place(expert: int) -> HostSink:
@@ -145,16 +178,23 @@ def moe_forward(
         def sink(w: StoredWeights) -> bool:
             if not native_expert(w):
                 return False
-            add(expert, x, w.gate_up, w.down, token_of_assignment)
+            add(expert, x, w.gate_up, w.down, group().token_of)
             return True
         return sink
 
     on_host = [(e, provider.host_forward(layer, e, rows(e), in_place(e) if native else None)) for e in plan.host]
     provider.dispatched(layer, ctx)  # prefetch planning after the host's start, not before it
-    for expert in plan.device:
+    device = plan.device
+    batch = provider.cached_batch(layer, device) if native and device else None
+    if batch is not None:
+        # The experts ready in the cache in one call, the resident engine's (all of a layer's: its very sum);
+        # the rest add into it.
+        out = formats.moe(x, experts, weights, batch.slots.gate_up, batch.slots.down, x.shape[1], batch.matrix_of)
+        device = [e for e in device if batch.matrix_of[e] < 0] if len(batch.experts) < len(device) else []
+    for expert in device:
         w = provider.get(layer, expert)
         if native and native_expert(w):
-            add(expert, x, w.gate_up, w.down, token_of_assignment)
+            add(expert, x, w.gate_up, w.down, group().token_of)
         else:
             emit(expert, expert_forward(rows(expert), w))
     for expert, future in split:
@@ -168,8 +208,11 @@ def moe_forward(
         y = future.result()
         if y is not None:
             emit(expert, y)
-    if not native:
-        # Un-sort and add each token's k expert outputs (index_add_ is far slower on CPU for small batches).
-        out = outputs.index_select(0, torch.argsort(order)).view(x.shape[0], top_k, -1).sum(dim=1)
     provider.end_layer(layer, ctx)
-    return out
+    if native:
+        assert out is not None  # every expert was added
+        return out
+    # Un-sort and add each token's k expert outputs (index_add_ is far slower on CPU for small batches).
+    assert outputs is not None  # every expert was emitted
+    order = group().order
+    return outputs.index_select(0, torch.argsort(order)).view(x.shape[0], experts.shape[1], -1).sum(dim=1)

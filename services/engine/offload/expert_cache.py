@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.engine.expert_provider import StoredWeights
+from services.engine.models.native_moe import NativeExperts
 from services.engine.offload.eviction.base import EvictionPolicy
 from services.engine.offload.host_store import Key
 from services.engine.offload.link import ReadyEvent
@@ -49,6 +50,18 @@ class ExpertCache:
         self._weights = [layout.views(self.storage[i]) for i in range(num_slots)]
         self._slot_of: dict[Key, Slot] = {}
         self._free = list(range(num_slots - 1, -1, -1))
+        self._native: NativeExperts | None = None
+        self._native_built = False
+
+    @property
+    def native(self) -> NativeExperts | None:
+        """Every slot's weights as the native kernels' matrices, slot i as matrix i (one MoE call computes a
+        layer's cached experts in place); None off the CPU, without the kernels, or in a format they cannot read."""
+        if not self._native_built:
+            self._native_built = True
+            if self.storage.device.type == "cpu" and self.slots:
+                self._native = NativeExperts.build(self._weights)
+        return self._native
 
     @property
     def num_slots(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import time
 from collections import deque
 from collections.abc import Callable
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.expert_provider import ExpertProvider, LayerPlan, StoredWeights
+from services.engine.expert_provider import CachedBatch, ExpertProvider, LayerPlan, StoredWeights
 from services.engine.offload.eviction.base import EvictionPolicy
 from services.engine.offload.expert_cache import ExpertCache, Slot
 from services.engine.offload.host_store import ExpertStore, Key
@@ -59,7 +60,11 @@ class OffloadedExpertProvider(ExpertProvider):
         self._pending: deque[int] = deque()  # this layer's misses still without a slot
         self._demanded: set[int] = set()  # slot indices this layer fetched on demand and still holds
         self._depth: int | None = None
-        self._current: Slot | None = None
+        self._current: list[Slot] = []  # what the layer computes now: `get`'s expert, or a cached batch
+        experts_per_layer = 1 + max((e for _, e in store.buffers), default=-1)
+        # Each expert id's slot in this layer's cached batch, -1 outside it (hs_moe's matrix_of).
+        self._matrix_of = (ctypes.c_int64 * experts_per_layer)(*[-1] * experts_per_layer)
+        self._batched: list[int] = []  # the expert ids set in _matrix_of
         self._prefetches: list[tuple[Transfer, Slot]] = []  # unused prefetches whose target is ahead
         # Only FineMoE's eviction reads router probabilities; skip the per-layer mean for the others.
         self._wants_router_probs = type(cache.eviction).on_layer_routed is not EvictionPolicy.on_layer_routed
@@ -121,9 +126,31 @@ class OffloadedExpertProvider(ExpertProvider):
             self._pin(slot)
         if self.rules.early_demand:
             self._issue_pending()
-        self._current = slot
+        self._current.append(slot)
         self._wait_landed(slot.event)
         return self.cache.weights(slot)
+
+    def cached_batch(self, layer: int, experts: list[int]) -> CachedBatch | None:
+        # One call for the layer's hits, not two per expert: at a full cache on a 2-core Zen 4 guest every
+        # offloaded policy ran 25-35% behind the resident engine, which makes this one call.
+        slots = self.cache.native
+        if slots is None or not self.rules.keep_cache:
+            return None
+        self._finish_current()
+        matrix_of = self._matrix_of
+        for expert in self._batched:
+            matrix_of[expert] = -1
+        batched = self._batched = []
+        for expert in experts:
+            slot = self.cache.lookup((layer, expert))
+            if slot is None or not slot.ready:
+                continue
+            if slot.pins == 0:  # landed after the router looked (a late prefetch)
+                self._pin(slot)
+            matrix_of[expert] = slot.index
+            batched.append(expert)
+            self._current.append(slot)
+        return CachedBatch(batched, slots, matrix_of) if batched else None
 
     def _wait_landed(self, event: ReadyEvent | None) -> None:
         """Compute waits for a transfer; the time it stalls counts as blocking."""
@@ -198,17 +225,17 @@ class OffloadedExpertProvider(ExpertProvider):
         return slot
 
     def _finish_current(self) -> None:
-        slot = self._current
-        if slot is None:
+        if not self._current:
             return
-        self._current = None
-        slot.pins = max(0, slot.pins - 1)
-        self._pinned.remove(slot)
-        self._demanded.discard(slot.index)
-        if self._fence is not None:
-            slot.fence = self._fence()
-        if not self.rules.keep_cache and slot.pins == 0:
-            self.cache.release(slot)
+        for slot in self._current:
+            slot.pins = max(0, slot.pins - 1)
+            self._pinned.remove(slot)
+            self._demanded.discard(slot.index)
+            if self._fence is not None:
+                slot.fence = self._fence()
+            if not self.rules.keep_cache and slot.pins == 0:
+                self.cache.release(slot)
+        self._current.clear()
 
     def _reclaim_prefetch_slot(self) -> None:
         loading = [s for s in self.cache.slots if s.key is not None and s.pins == 0 and s.loading]

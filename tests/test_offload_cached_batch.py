@@ -1,0 +1,124 @@
+"""A layer's cached experts in one native call: the resident engine's call over the cache's slots.
+
+Once the cache holds every expert a step asks for, an offloaded CPU layer is exactly the resident engine's layer:
+one hs_moe call, now reading the slots, each token's experts summed in the router's order. So its decode logits
+are the resident engine's bit for bit (the per-expert path, two calls an expert, summed them in expert order and
+differed in the last bits), and the experts a layer still misses add into the batch's sum."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from services.engine import cpu_kernels, model_runner
+from services.engine.config import EngineConfig
+from services.engine.cpu_kernels import formats
+from services.engine.llm_engine import LLMEngine
+from services.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="native CPU kernels not built")
+
+Key = tuple[str, int]  # (request id, completion tokens before the step)
+
+
+def _logits(engine: LLMEngine, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> dict[Key, torch.Tensor]:
+    """Every sampled row's logits of a greedy run."""
+    seen: dict[Key, torch.Tensor] = {}
+    original = model_runner.sample
+
+    def recording(logits, seqs, eos_ids, generator):
+        for i, seq in enumerate(seqs):
+            seen[(seq.request_id, seq.num_completion_tokens)] = logits[i].clone()
+        return original(logits, seqs, eos_ids, generator)
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with monkeypatch.context() as patch:
+        patch.setattr(model_runner, "sample", recording)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, params)
+        while engine.has_unfinished():
+            engine.step()
+    return seen
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int4"])
+def test_a_full_cache_gives_the_resident_engines_logits_bit_for_bit(demo_model_dir, dtype, monkeypatch) -> None:
+    prompts = [list(range(5, 40)), list(range(100, 117))]
+    resident = LLMEngine(EngineConfig(model=demo_model_dir, expert_dtype=dtype))
+    try:
+        expected = _logits(resident, prompts, monkeypatch)
+    finally:
+        resident.close()
+    engine = LLMEngine(EngineConfig(model=demo_model_dir, expert_dtype=dtype, offload_policy="lru",
+                                    expert_cache_fraction=1.0, link_ratio=30.0))
+    try:
+        _logits(engine, prompts, monkeypatch)  # fills the cache: every expert these prompts route to
+        got = _logits(engine, prompts, monkeypatch)
+        assert sum(engine.model.experts.stats.misses) > 0  # the first run's, which filled the cache
+        assert all(slot.pins == 0 for slot in engine.model.experts.cache.slots)
+    finally:
+        engine.close()
+    assert got.keys() == expected.keys()
+    # Decode steps bit for bit. A prefill's last layer differs by rounding alone: the resident engine computes
+    # only each sequence's last row there (model.forward's prune), an offloaded one every row for its routing.
+    different = [key for key in expected if key[1] > 0 and not torch.equal(got[key], expected[key])]
+    assert not different, f"decode logits differ from the resident engine's at {different[:3]}"
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=0, atol=1e-4)
+
+
+def test_left_out_experts_add_nothing_and_slots_are_read_through_matrix_of() -> None:
+    hidden, inner, experts = 128, 64, 4
+    g = torch.Generator().manual_seed(3)
+    mats = [(formats.pack(torch.randn(2 * inner, hidden, generator=g) / 8, "bf16"),
+             formats.pack(torch.randn(hidden, inner, generator=g) / 8, "bf16")) for _ in range(experts)]
+    slots = list(reversed(mats))  # expert e lives in slot experts - 1 - e
+    gate_up = formats.native_array([m[0] for m in slots])
+    down = formats.native_array([m[1] for m in slots])
+    x = torch.randn(3, hidden, generator=g)
+    ids = torch.tensor([[0, 2], [1, 3], [2, 1]])
+    weights = torch.rand(3, 2, generator=g)
+    matrix_of = (ctypes.c_int64 * experts)(3, -1, 1, 0)  # expert 1 left out
+    got = formats.moe(x, ids, weights, gate_up, down, hidden, matrix_of)
+    want = torch.zeros(3, hidden)
+    for t in range(3):
+        for k in range(2):
+            e = int(ids[t, k])
+            if e != 1:
+                want[t] += weights[t, k] * formats.expert(x[t : t + 1], *mats[e])[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="out of range"):
+        formats.moe(x, ids, weights, gate_up, down, hidden, (ctypes.c_int64 * experts)(3, 2, 1, 4))
+
+
+@pytest.mark.parametrize("policy", ["lru", "hintserve"])
+def test_a_part_cached_layer_adds_its_other_experts_into_the_batch(demo_model_dir, policy, monkeypatch) -> None:
+    """At a quarter of the experts cached, layers mix a batch of hits with fetched (lru) or host-computed
+    (hintserve) experts: the tokens stay the resident engine's, and no slot stays pinned."""
+    prompts = [list(range(5, 40)), list(range(100, 117))]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    resident = LLMEngine(EngineConfig(model=demo_model_dir, expert_dtype="bf16"))
+    try:
+        expected = resident.generate(prompts, params)
+    finally:
+        resident.close()
+    engine = LLMEngine(EngineConfig(model=demo_model_dir, expert_dtype="bf16", offload_policy=policy,
+                                    expert_cache_fraction=0.25, link_ratio=30.0))
+    provider = engine.model.experts
+    sizes: list[tuple[int, int]] = []  # (batched, device experts) per layer
+    cached_batch = provider.cached_batch
+
+    def counting(layer: int, experts: list[int]):
+        batch = cached_batch(layer, experts)
+        sizes.append((0 if batch is None else len(batch.experts), len(experts)))
+        return batch
+
+    monkeypatch.setattr(provider, "cached_batch", counting)
+    try:
+        assert engine.generate(prompts, params) == expected
+        assert all(slot.pins == 0 for slot in provider.cache.slots if slot.key not in getattr(provider, "pinned", ()))
+    finally:
+        engine.close()
+    assert any(0 < batched < device for batched, device in sizes), "no layer mixed cached and other experts"
