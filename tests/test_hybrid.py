@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 import torch
 
@@ -792,3 +795,33 @@ def test_a_split_bf16_expert_computes_what_the_whole_one_does(rows: int) -> None
             pytest.skip("no native CPU kernels here")
         whole = expert_forward(x, ExpertWeights(gate_up, down))
         assert torch.equal(expert_down(expert_activation(x, gate_up), down, torch.float32), whole)
+
+
+def test_cost_placement_decides_as_its_projections_do_without_most_of_them(monkeypatch) -> None:
+    """A miss whose host finish at worst beats the other sides at best skips the bus projections: the same
+    placements as projecting every miss, over random prices on one DRAM (and none), backlogs and landings."""
+    from services.engine.offload.placement import SplitPrices
+
+    rng = random.Random(5)
+    decode = StepContext(Phase.DECODE, ["r"], 1)
+    projected = {"fast": 0, "every miss": 0}
+    for case in range(400):
+        dram = rng.choice([math.inf, rng.uniform(0.5, 3.0)])
+        costs = PlacementCosts(device_first=rng.uniform(0.1, 2), device_per_token=rng.uniform(0, 0.5),
+                               host_first=rng.uniform(1, 20), host_per_token=rng.uniform(0, 10),
+                               link=rng.uniform(1, 40), dram=dram, host_bytes=1.0, link_bytes=1.0)
+        split = SplitPrices(2 / 3, 1 / 3, 1 / 3) if case % 2 else None
+        misses = rng.sample(range(16), rng.randint(1, 8))
+        tokens = {e: rng.randint(1, 6) for e in misses}
+        landing = {e: rng.uniform(0, 30) for e in misses if rng.random() < 0.2}
+        args = (misses, tokens, decode, rng.uniform(0, 30), rng.uniform(0, 30), landing, rng.randint(0, 3))
+        placement = CostPlacement(costs, stream_prefill=False, split=split)
+        calls: list[int] = []
+        monkeypatch.setattr(placement, "_finish", lambda h, lk, f=placement._finish, c=calls: c.append(1) or f(h, lk))
+        fast = placement.place(*args)
+        projected["fast"] += len(calls)
+        calls.clear()
+        monkeypatch.setattr(placement, "_worst", lambda job: math.inf)  # no miss settled by the bounds
+        assert placement.place(*args) == fast, case
+        projected["every miss"] += len(calls)
+    assert projected["fast"] < 0.8 * projected["every miss"], projected

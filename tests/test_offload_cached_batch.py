@@ -93,10 +93,14 @@ def test_left_out_experts_add_nothing_and_slots_are_read_through_matrix_of() -> 
         formats.moe(x, ids, weights, gate_up, down, hidden, (ctypes.c_int64 * experts)(3, 2, 1, 4))
 
 
-@pytest.mark.parametrize("policy", ["lru", "hintserve"])
-def test_a_part_cached_layer_adds_its_other_experts_into_the_batch(demo_model_dir, policy, monkeypatch) -> None:
-    """At a quarter of the experts cached, layers mix a batch of hits with fetched (lru) or host-computed
-    (hintserve) experts: the tokens stay the resident engine's, and no slot stays pinned."""
+@pytest.mark.parametrize(("policy", "cache"), [
+    ("lru", {"expert_cache_fraction": 0.25}), ("hintserve", {"expert_cache_fraction": 0.25}),
+    ("hintserve-transfer", {"expert_cache_fraction": 0.25}), ("lru", {"expert_cache_experts": 2}),
+], ids=["lru", "hintserve", "hintserve-transfer", "lru-top-k-slots"])
+def test_a_part_cached_layer_adds_its_other_experts_into_the_batch(demo_model_dir, policy, cache, monkeypatch) -> None:
+    """With part of the experts cached, layers mix a batch of hits with fetched (lru), prefetched or
+    host-computed (hintserve) experts: the tokens stay the resident engine's, and no slot stays pinned; with
+    only top-k slots the late batch waits for what the first one freed."""
     prompts = [list(range(5, 40)), list(range(100, 117))]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     resident = LLMEngine(EngineConfig(model=demo_model_dir, expert_dtype="bf16"))
@@ -105,14 +109,14 @@ def test_a_part_cached_layer_adds_its_other_experts_into_the_batch(demo_model_di
     finally:
         resident.close()
     engine = LLMEngine(EngineConfig(model=demo_model_dir, expert_dtype="bf16", offload_policy=policy,
-                                    expert_cache_fraction=0.25, link_ratio=30.0))
+                                    link_ratio=30.0, **cache))
     provider = engine.model.experts
-    sizes: list[tuple[int, int]] = []  # (batched, device experts) per layer
+    sizes: list[tuple[bool, int, int]] = []  # (waits, batched, device experts) of each batch asked for
     cached_batch = provider.cached_batch
 
-    def counting(layer: int, experts: list[int]):
-        batch = cached_batch(layer, experts)
-        sizes.append((0 if batch is None else len(batch.experts), len(experts)))
+    def counting(layer: int, experts: list[int], wait: bool = False):
+        batch = cached_batch(layer, experts, wait)
+        sizes.append((wait, 0 if batch is None else len(batch.experts), len(experts)))
         return batch
 
     monkeypatch.setattr(provider, "cached_batch", counting)
@@ -121,4 +125,10 @@ def test_a_part_cached_layer_adds_its_other_experts_into_the_batch(demo_model_di
         assert all(slot.pins == 0 for slot in provider.cache.slots if slot.key not in getattr(provider, "pinned", ()))
     finally:
         engine.close()
-    assert any(0 < batched < device for batched, device in sizes), "no layer mixed cached and other experts"
+    assert any(batched for _, batched, _ in sizes), "no cached batch"
+    if policy == "lru":  # demand fetches still on the link at the ready batch: the late one takes them
+        assert any(wait and batched for wait, batched, _ in sizes), "no late batch"
+        if "expert_cache_fraction" in cache:
+            assert any(0 < batched < device for wait, batched, device in sizes if not wait), "no layer mixed hits and fetches"
+    if policy == "hintserve":
+        assert provider.stats.host_experts > 0, "no expert computed on the host beside the batches"

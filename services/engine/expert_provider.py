@@ -98,9 +98,10 @@ class ExpertProvider(ABC):
     @abstractmethod
     def get(self, layer: int, expert: int) -> StoredWeights: ...
 
-    def cached_batch(self, layer: int, experts: list[int]) -> CachedBatch | None:
+    def cached_batch(self, layer: int, experts: list[int], wait: bool = False) -> CachedBatch | None:
         """Those of the plan's device `experts` ready in the cache now, for one native call before any `get`;
-        they stay pinned until the next `get` or `end_layer`. None: each goes through `get`."""
+        `wait`: also those with a slot still loading, once landed. They stay pinned until the next
+        `cached_batch`, `get` or `end_layer`. None: each goes through `get`."""
         return None
 
     def host_forward(self, layer: int, expert: int, x: torch.Tensor, sink: HostSink | None = None) -> HostResult:

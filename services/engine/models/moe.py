@@ -185,12 +185,15 @@ def moe_forward(
     on_host = [(e, provider.host_forward(layer, e, rows(e), in_place(e) if native else None)) for e in plan.host]
     provider.dispatched(layer, ctx)  # prefetch planning after the host's start, not before it
     device = plan.device
-    batch = provider.cached_batch(layer, device) if native and device else None
-    if batch is not None:
-        # The experts ready in the cache in one call, the resident engine's (all of a layer's: its very sum);
-        # the rest add into it.
-        out = formats.moe(x, experts, weights, batch.slots.gate_up, batch.slots.down, x.shape[1], batch.matrix_of)
-        device = [e for e in device if batch.matrix_of[e] < 0] if len(batch.experts) < len(device) else []
+    # On the CPU the experts ready in the cache go in one call, the resident engine's (all of a layer's: its very
+    # sum), then those that land meanwhile in a second (the link copies far slower than they compute); what has
+    # no slot yet goes one by one below.
+    for wait in (False, True) if native else ():
+        batch = provider.cached_batch(layer, device, wait) if device else None
+        if batch is not None:
+            y = formats.moe(x, experts, weights, batch.slots.gate_up, batch.slots.down, x.shape[1], batch.matrix_of)
+            out = y if out is None else out.add_(y)
+            device = [e for e in device if batch.matrix_of[e] < 0] if len(batch.experts) < len(device) else []
     for expert in device:
         w = provider.get(layer, expert)
         if native and native_expert(w):

@@ -76,7 +76,7 @@ class HybridExpertProvider(OffloadedExpertProvider):
     def begin_layer(
         self, layer: int, experts: list[int], ctx: StepContext, tokens: list[int] | None = None
     ) -> LayerPlan:
-        gate = self.gate if not ctx.is_prefill and not self.quiet else None
+        gate = self.gate if not ctx.is_prefill and not self.quiet and self.gate is not None and self.gate.pays else None
         owed = self.ledger.settle(gate, self.cache, layer, experts) if gate is not None else []
         plan = super().begin_layer(layer, experts, ctx, tokens)
         self._host_only = not plan.device and not plan.split  # nothing for this thread to do beside the host's

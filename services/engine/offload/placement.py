@@ -77,31 +77,53 @@ class CostPlacement(Placement):
         c, part = self.costs, self.split_prices
         landing = landing or {}
         host_jobs, link_jobs = [self._host_job(host_backlog, 1)], [self._link_job(link_backlog)]
+        # Each side's queue done, bounded without a projection on the bus: a lane's jobs run one after another,
+        # each at best at min(cap, dram) and at worst, beside the other lane, at min(cap, dram / 2) (max-min
+        # fair), so the host is done at worst by its time at best plus all the link's at worst. A miss whose host
+        # finish at worst is no later than the other sides' at best goes to the host, as the projections would
+        # decide; they were most of a decode layer's placement time.
+        host_worst, host_best = self._worst(host_jobs[0]), self._best(host_jobs[0])
+        link_best, link_worst = self._best(link_jobs[0]), self._worst(link_jobs[0])
         placed = Placed([], [], [])
         for expert in sorted(misses, key=lambda e: -tokens[e]):
             n = tokens[expert]
             lands = landing.get(expert)
             alone = self._host_job(c.host(n), n)
-            on_host = self._finish(host_jobs + [alone], link_jobs)[0]
             fetched = self._link_job(c.link)
-            on_device = (self._finish(host_jobs, link_jobs + [fetched])[1] if lands is None else lands) + c.device(n)
-            halves, pieces = float("inf"), None
+            pieces = None
             if lands is None and len(placed.split) < split_room and part is not None:
                 pieces = (self._host_job(part.host * c.host(n), n), self._link_job(part.link * c.link))
-                halves = max(self._finish(host_jobs + [pieces[0]], link_jobs + [pieces[1]]))
-                halves += part.device * c.device(n)
-            if on_host <= on_device and on_host <= halves:
+            device_best = (link_best + self._best(fetched) if lands is None else lands) + c.device(n)
+            halves_best = math.inf if pieces is None else (
+                max(host_best + self._best(pieces[0]), link_best + self._best(pieces[1])) + part.device * c.device(n))
+            host_done = min(host_worst + self._worst(alone), host_best + self._best(alone) + link_worst)
+            on_host = host_done <= min(device_best, halves_best)
+            if on_host:
+                on_device = halves = math.inf
+            else:
+                on_host_done = self._finish(host_jobs + [alone], link_jobs)[0]
+                on_device = (self._finish(host_jobs, link_jobs + [fetched])[1] if lands is None else lands) + c.device(n)
+                halves = math.inf
+                if pieces is not None:
+                    halves = max(self._finish(host_jobs + [pieces[0]], link_jobs + [pieces[1]]))
+                    halves += part.device * c.device(n)
+                on_host = on_host_done <= on_device and on_host_done <= halves
+            if on_host:
                 placed.host.append(expert)
-                host_jobs.append(alone)
+                queued_host, queued_link = [alone], []
             elif halves < on_device:
                 placed.split.append(expert)
                 assert pieces is not None  # halves is finite only when priced
-                host_jobs.append(pieces[0])
-                link_jobs.append(pieces[1])
+                queued_host, queued_link = [pieces[0]], [pieces[1]]
             else:
                 placed.fetch.append(expert)
-                if lands is None:
-                    link_jobs.append(fetched)
+                queued_host, queued_link = [], [fetched] if lands is None else []
+            host_jobs += queued_host
+            link_jobs += queued_link
+            host_worst += sum(self._worst(job) for job in queued_host)
+            host_best += sum(self._best(job) for job in queued_host)
+            link_best += sum(self._best(job) for job in queued_link)
+            link_worst += sum(self._worst(job) for job in queued_link)
         return placed
 
     # Each side's queued work as (seconds alone, bytes/s it draws alone from the DRAM): the host reads an expert's
@@ -111,6 +133,16 @@ class CostPlacement(Placement):
 
     def _link_job(self, seconds: float) -> tuple[float, float]:
         return seconds, self.costs.link_bytes / self.costs.link
+
+    def _best(self, job: tuple[float, float]) -> float:
+        """A job's seconds with the DRAM to itself."""
+        seconds, cap = job
+        return seconds * cap / min(cap, self.costs.dram) if seconds > 0 else 0.0
+
+    def _worst(self, job: tuple[float, float]) -> float:
+        """A job's seconds beside the other lane's, drawing all it can."""
+        seconds, cap = job
+        return seconds * cap / min(cap, self.costs.dram / 2) if seconds > 0 else 0.0
 
     def _finish(self, host: list[tuple[float, float]], link: list[tuple[float, float]]) -> tuple[float, float]:
         """When each side's queued jobs are done, both reading the one DRAM from now."""

@@ -52,6 +52,9 @@ class PrefetchGate:
         self, prefetcher: Prefetcher, layer: int, ctx: StepContext, is_new: Callable[[PrefetchRequest], bool],
         room: int,
     ) -> list[PrefetchRequest]:
+        if not self.pays:
+            self.skipped_total += 1
+            return []
         key = id(prefetcher)
         losing = self.cost.get(key, 0.0) > self.value.get(key, float("inf"))
         if losing and self._skipped.get(key, 0) < self._interval.get(key, self.probe_every):
@@ -74,9 +77,16 @@ class PrefetchGate:
         self.value[key] = _average(self.value.get(key), hits * self.share(prefetcher) * self.saving_per_hit)
         return requests
 
+    @property
+    def pays(self) -> bool:
+        """Whether a right guess saves more than its transfer costs. If not, no guess pays, whatever the
+        prefetcher's precision, and none is asked for (the emulated one-DRAM host: a copy reads the DRAM for as
+        long as the host's math on the expert would, so a prefetch costs the host a miss to save one)."""
+        return self.saving_per_hit > self.issue_cost
+
     def asking(self) -> bool:
         """Whether some prefetcher is being asked (its guesses pay), as of its last plan."""
-        return any(cost <= self.value[key] for key, cost in self.cost.items()) or not self.cost
+        return self.pays and (any(cost <= self.value[key] for key, cost in self.cost.items()) or not self.cost)
 
     def charge_reserve(self, hits: float) -> None:
         """Debits the prefetchers being asked for `hits` the hot set lost to the slots kept free for their

@@ -130,26 +130,32 @@ class OffloadedExpertProvider(ExpertProvider):
         self._wait_landed(slot.event)
         return self.cache.weights(slot)
 
-    def cached_batch(self, layer: int, experts: list[int]) -> CachedBatch | None:
+    def cached_batch(self, layer: int, experts: list[int], wait: bool = False) -> CachedBatch | None:
         # One call for the layer's hits, not two per expert: at a full cache on a 2-core Zen 4 guest every
         # offloaded policy ran 25-35% behind the resident engine, which makes this one call.
         slots = self.cache.native
         if slots is None or not self.rules.keep_cache:
             return None
         self._finish_current()
+        if wait and self.rules.early_demand:
+            self._issue_pending()  # into the slots the last batch freed
         matrix_of = self._matrix_of
         for expert in self._batched:
             matrix_of[expert] = -1
         batched = self._batched = []
         for expert in experts:
             slot = self.cache.lookup((layer, expert))
-            if slot is None or not slot.ready:
+            if slot is None or not (slot.ready or wait):
                 continue
+            if expert in self._pending:  # a prefetch that took its slot after the router asked
+                self._pending.remove(expert)
             if slot.pins == 0:  # landed after the router looked (a late prefetch)
                 self._pin(slot)
             matrix_of[expert] = slot.index
             batched.append(expert)
             self._current.append(slot)
+        for slot in self._current if wait else ():
+            self._wait_landed(slot.event)
         return CachedBatch(batched, slots, matrix_of) if batched else None
 
     def _wait_landed(self, event: ReadyEvent | None) -> None:
