@@ -105,7 +105,9 @@ class HybridExpertProvider(OffloadedExpertProvider):
         self.ledger.started(slot, evicted)
 
     def end_step(self, ctx: StepContext) -> None:
-        if not ctx.is_prefill:
+        if ctx.is_prefill:  # a new prompt's misses: decode steps judge the machinery by their own
+            self._step_missed = False
+        else:
             self._clean_steps = 0 if self._step_missed else self._clean_steps + 1
             self._step_missed = False
             if self.quiet:
