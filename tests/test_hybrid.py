@@ -768,6 +768,16 @@ def test_hintserve_machinery_goes_quiet_while_the_cache_holds_everything_and_ret
         quiet = provider.stats.quiet_steps
         assert engine.generate(_prompts(), GREEDY) == expected  # every expert still cached: nobody asked
         assert planned == [] and provider.stats.quiet_steps == quiet + GREEDY.max_tokens - 1  # one batch of two
+        # A new prompt's prefill that misses leaves it quiet: the next decode step judges by its own misses.
+        slot = next(s for s in provider.cache.slots if s.key is not None and s.key not in provider.pinned)
+        layer, expert = slot.key
+        provider.cache.release(slot)
+        prefill = StepContext(Phase.PREFILL, ["new"], 4)
+        provider.begin_layer(layer, [expert], prefill, [4])  # a miss, fetched or on the host
+        provider.end_layer(layer, prefill)
+        provider.end_step(prefill)
+        provider.end_step(StepContext(Phase.DECODE, ["old"], 1))
+        assert provider.quiet
         for slot in provider.cache.slots:  # the cache loses what it held: misses return
             if slot.key is not None and slot.key not in provider.pinned and slot.pins == 0:
                 provider.cache.release(slot)

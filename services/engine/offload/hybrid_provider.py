@@ -80,10 +80,11 @@ class HybridExpertProvider(OffloadedExpertProvider):
         owed = self.ledger.settle(gate, self.cache, layer, experts) if gate is not None else []
         plan = super().begin_layer(layer, experts, ctx, tokens)
         self._host_only = not plan.device and not plan.split  # nothing for this thread to do beside the host's
-        slots = [self.cache.lookup((layer, e)) for e in plan.device]
-        if plan.host or plan.split or any(slot is None or slot.loading for slot in slots):
+        # A decode miss brings the machinery back from this layer on; a new prompt's prefill misses do not.
+        if not ctx.is_prefill and (plan.host or plan.split or any(
+                slot is None or slot.loading for slot in map(self.cache.lookup, ((layer, e) for e in plan.device)))):
             self._step_missed = True
-            self._clean_steps = 0  # a miss: the machinery is back from this layer on
+            self._clean_steps = 0
         if gate is not None:
             self.ledger.credit(gate, owed, plan.device)
         return plan
@@ -105,9 +106,7 @@ class HybridExpertProvider(OffloadedExpertProvider):
         self.ledger.started(slot, evicted)
 
     def end_step(self, ctx: StepContext) -> None:
-        if ctx.is_prefill:  # a new prompt's misses: decode steps judge the machinery by their own
-            self._step_missed = False
-        else:
+        if not ctx.is_prefill:
             self._clean_steps = 0 if self._step_missed else self._clean_steps + 1
             self._step_missed = False
             if self.quiet:
