@@ -48,6 +48,17 @@ def separate_memories(monkeypatch):
     monkeypatch.setattr(memory_bus, "EMULATED_DRAM_OVER_HOST", float("inf"))
 
 
+@pytest.fixture
+def splits_despite_the_budget(monkeypatch):
+    """Staging whenever some decode miss would split, whatever the cache slots it takes are worth: the tiny
+    model's budgets are a handful of slots, each worth more than its splits (split_experts.split_pays), and the
+    split mechanics would go untested."""
+    from services.engine.offload import hybrid_setup
+
+    pays = hybrid_setup.split_pays
+    monkeypatch.setattr(hybrid_setup, "split_pays", lambda *args: pays(*args[:5]))
+
+
 def _run(reference, policy: str, **kw):
     model_dir, expected, trace = reference
     engine = LLMEngine(EngineConfig(model=model_dir, offload_policy=policy, routing_trace=trace, **kw))
@@ -237,7 +248,7 @@ def test_only_dense_experts_split() -> None:
     assert split_prices((200, 100), dense=False) is None
 
 
-@pytest.mark.usefixtures("separate_memories")
+@pytest.mark.usefixtures("separate_memories", "splits_despite_the_budget")
 def test_split_experts_keep_tokens_and_free_their_staging(reference) -> None:
     # Host and link close in price: hintserve splits misses (gate/up on the host, down over the link).
     tokens, expected, provider, stats = _run(reference, "hintserve", expert_cache_fraction=0.25, link_ratio=30.0,
@@ -286,6 +297,29 @@ def test_no_staging_where_no_decode_miss_would_split() -> None:
     assert not split_pays(None, costs(30), max_tokens=16, top_k=2, num_experts=8)  # a packed expert never splits
 
 
+def test_a_split_is_staged_only_where_it_saves_more_than_the_slots_it_takes() -> None:
+    """The staging's slot against the splits: on one DRAM that the host's math fills alone (the emulated host) a
+    split gains little, and a small cache's slot is worth more holding an expert; with memories of their own,
+    or a budget holding every expert anyway, the splits win."""
+    from services.engine.offload.split_experts import split_pays, split_prices
+
+    third = split_prices((200, 100), dense=True)
+    unit, per_token, size = 52e-6, 5.7e-6, 786432.0
+
+    def costs(dram: float) -> PlacementCosts:  # host 15.6x, link 30x the device, as the emulated grid prices them
+        return PlacementCosts(unit, per_token, 15.6 * unit, 15.6 * per_token, 30 * unit, dram=dram,
+                              host_bytes=size, link_bytes=size)
+
+    one_dram = costs(size / (15.6 * unit))
+    for batch in (4, 16):
+        assert split_pays(third, one_dram, batch, 2, 8)  # some miss would split...
+        for slots in (4, 12, 24):  # ...but not enough to pay for a slot of 10-50% of 48 experts
+            assert not split_pays(third, one_dram, batch, 2, 8, moe_layers=6, slots=slots)
+    assert split_pays(third, one_dram, 16, 2, 8, moe_layers=6, slots=60)  # room to spare: the slot holds nothing
+    for slots in (4, 12, 60):  # a one-token miss splits on memories of their own, and saves more than a slot
+        assert split_pays(third, costs(float("inf")), 1, 2, 8, moe_layers=6, slots=slots)
+
+
 @pytest.mark.usefixtures("separate_memories")
 def test_hintserve_at_a_slow_link_keeps_its_whole_budget_for_experts(reference) -> None:
     # Batch 1 (max_num_seqs 1) at ratio 100: no split would pay, so no slot goes to staging.
@@ -309,10 +343,10 @@ def test_on_one_dram_hintserve_splits_nothing(reference) -> None:
     assert provider.costs.dram < float("inf") and provider.executor.bus is provider.transfers.link.bus
 
 
-@pytest.mark.usefixtures("separate_memories")
+@pytest.mark.usefixtures("separate_memories", "splits_despite_the_budget")
 @pytest.mark.parametrize("budget", [2, 3])
 def test_hintserve_on_a_cache_its_layer_pins_whole_keeps_tokens(reference, budget: int) -> None:
-    # The staging takes its share of the smallest budgets (top-k slots) first.
+    # Where it stages at all, the staging takes its share of the smallest budgets (top-k slots) first.
     tokens, expected, provider, _ = _run(reference, "hintserve", expert_cache_experts=budget, link_ratio=30.0,
                                          host_ratio=20.0)
     assert tokens == expected
@@ -663,7 +697,7 @@ def test_host_work_starts_before_the_layers_prefetch_planning(reference, monkeyp
     assert layers_with_both > 0
 
 
-@pytest.mark.usefixtures("separate_memories")
+@pytest.mark.usefixtures("separate_memories", "splits_despite_the_budget")
 @pytest.mark.parametrize("host_ratio", [20.0, 12.0])
 def test_a_split_experts_longer_half_starts_first(reference, monkeypatch, host_ratio: float) -> None:
     """Each side's clock runs from its own submit, so the longer half of a split is handed over first: at

@@ -74,7 +74,7 @@ def assemble_provider(
     if is_hybrid(policy):
         if parts.costs is None or parts.make_host is None:
             raise ValueError(f"policy {policy.name!r} computes on the host: it needs the placement's prices")
-        split = planned_split(policy, parts.split, parts.costs, settings.max_tokens, geometry)
+        split = planned_split(policy, parts.split, parts.costs, settings.max_tokens, geometry, slots)
         staging = staging_buffers(geometry.top_k, split)
         slots = hybrid_slots(policy, slots, pinned, split, staging)
     eviction = make_eviction(settings.eviction,

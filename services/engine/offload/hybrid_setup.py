@@ -63,12 +63,13 @@ def pinned_experts(
 
 def planned_split(
     policy: OffloadPolicy, split: SplitPrices | None, costs: PlacementCosts, max_tokens: int,
-    geometry: ExpertGeometry,
+    geometry: ExpertGeometry, slots: int | None = None,
 ) -> SplitPrices | None:
-    """The split prices a policy places with: None where it does not split, or where its placement never
-    would in a decode step of up to `max_tokens` sequences (split_experts.split_pays), so no staging takes a
-    slot of its budget."""
-    if not policy.split_experts or not split_pays(split, costs, max_tokens, geometry.top_k, geometry.num_experts):
+    """The split prices a policy places with: None where it does not split, or where splitting in a decode step
+    of up to `max_tokens` sequences would not save what the staging's share of the `slots` budget would
+    (split_experts.split_pays), so no staging takes a slot of it."""
+    if not policy.split_experts or not split_pays(split, costs, max_tokens, geometry.top_k, geometry.num_experts,
+                                                  geometry.num_moe_layers, slots):
         return None
     return split
 

@@ -154,6 +154,21 @@ class CostPlacement(Placement):
         host_done, link_done = (bus.finish(last[0]) if last else 0.0 for last in lasts)
         return host_done, link_done
 
+    def layer_seconds(self, placed: Placed, tokens: dict[int, int]) -> float:
+        """When a layer whose misses are placed so is done, both sides idle at its start: the host's queue, and
+        the link's followed by the device's part of what it brought."""
+        c, part = self.costs, self.split_prices
+        host = [self._host_job(c.host(tokens[e]), tokens[e]) for e in placed.host]
+        link = [self._link_job(c.link) for _ in placed.fetch]
+        device = sum(c.device(tokens[e]) for e in placed.fetch)
+        if placed.split:
+            assert part is not None  # only a splitting placement splits
+            host += [self._host_job(part.host * c.host(tokens[e]), tokens[e]) for e in placed.split]
+            link += [self._link_job(part.link * c.link) for _ in placed.split]
+            device += sum(part.device * c.device(tokens[e]) for e in placed.split)
+        host_done, link_done = self._finish(host, link)
+        return max(host_done, link_done + device)
+
     def split_seconds(self, tokens: int, host_done: float = 0.0, link_done: float = 0.0) -> float:
         part, c = self.split_prices, self.costs
         if part is None:

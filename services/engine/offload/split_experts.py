@@ -30,26 +30,41 @@ def split_prices(chunk_bytes: tuple[int, ...], dense: bool) -> SplitPrices | Non
 
 
 def split_pays(
-    split: SplitPrices | None, costs: PlacementCosts, max_tokens: int, top_k: int, num_experts: int
+    split: SplitPrices | None, costs: PlacementCosts, max_tokens: int, top_k: int, num_experts: int,
+    moe_layers: int = 1, slots: int | None = None,
 ) -> bool:
-    """Whether the cost placement would ever split a decode step's miss: a layer missing 1 to top_k x
-    `max_tokens` of its experts (at most all of them), 1 or `max_tokens` tokens each (one a sequence), both
-    sides idle as the layer starts. Where it would not (a slow link and few misses a layer: at ratio 100
-    and batch 1 the down matrix alone takes 1.7 ms here, two whole experts on the host 1.6), the staging's
-    cache slot is worth more holding an expert: 4.15 against 3.82 ms a token with the slot back. A busy
-    host makes splits pay at a fast one (a quad-channel Mixtral host: the second miss of a token splits).
-    Prefill is not counted: one step a request, against every decode step's slot."""
+    """Whether splitting is worth the cache slots its staging takes: the cost placement must split some decode
+    step's miss (a layer missing 1 to top_k x `max_tokens` of its experts, at most all of them, 1 or
+    `max_tokens` tokens each, both sides idle as the layer starts; at ratio 100 and batch 1 the down matrix
+    alone takes 1.7 ms here, two whole experts on the host 1.6, so none splits), and, given the `slots` of the
+    budget (None: not weighed), a step of `max_tokens` sequences must save more by its splits than the staging's
+    slots would by holding experts. Both from the placement's own prices, on routing spread evenly over the
+    `moe_layers` x `num_experts` experts. On an emulated one-DRAM host the second weighs most: its math alone
+    draws the whole DRAM, so a split gains only where a few tokens make the host compute-bound, while a slot
+    saves a miss in every step that routes to its expert (demo model, bf16, batch 4 and 16, 10-50% cache: 2-7%
+    faster without the staging in 8 of 9 cells). Prefill is not counted: one step a request."""
     if split is None:
         return False
     placement = CostPlacement(costs, stream_prefill=False, split=split)
     decode = StepContext(Phase.DECODE, [], 0)
-    for misses in range(1, min(top_k * max_tokens, num_experts) + 1):
-        for tokens in {1, max_tokens}:
-            placed = placement.place(list(range(misses)), dict.fromkeys(range(misses), tokens), decode, 0.0,
-                                     split_room=misses)
-            if placed.split:
-                return True
-    return False
+    splits = any(
+        placement.place(list(range(misses)), dict.fromkeys(range(misses), tokens), decode, 0.0,
+                        split_room=misses).split
+        for misses in range(1, min(top_k * max_tokens, num_experts) + 1) for tokens in {1, max_tokens}
+    )
+    if not splits or slots is None:
+        return splits
+    routed = 1.0 - (1.0 - top_k / num_experts) ** max_tokens  # an expert's chance to be routed in a step
+    tokens = max(1, round(max_tokens * top_k / num_experts / routed))  # its tokens when it is
+    experts = moe_layers * num_experts
+    buffers = staging_buffers(top_k, split)
+    kept = max(0, slots - staging_slots(buffers, split))
+    misses = dict.fromkeys(range(max(1, round(num_experts * routed * (1.0 - min(1.0, kept / experts))))), tokens)
+    whole = placement.place(list(misses), misses, decode, 0.0)
+    parted = placement.place(list(misses), misses, decode, 0.0, split_room=buffers)
+    saved = moe_layers * (placement.layer_seconds(whole, misses) - placement.layer_seconds(parted, misses))
+    per_hit = min(costs.host(tokens), costs.link + costs.device(tokens)) - costs.device(tokens)
+    return saved > routed * (min(slots, experts) - min(kept, experts)) * per_hit  # the hits the slots would give
 
 
 def staging_buffers(top_k: int, split: SplitPrices | None) -> int:
