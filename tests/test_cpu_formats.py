@@ -261,3 +261,23 @@ def test_the_avx2_loops_compute_every_format(tmp_path, flags: str, isa: str, nee
     env = {**os.environ, "HINTSERVE_KERNEL_CACHE": str(tmp_path),
            "HINTSERVE_KERNEL_FLAGS": f"-O3 {flags} -fno-math-errno"}
     subprocess.run([sys.executable, "-c", _AVX2, isa], check=True, timeout=300, env=env)
+
+
+@pytest.mark.parametrize("renormalize", [True, False], ids=["renormalised", "as-is"])
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_native_softmax_routing_is_torchs_up_to_the_products_summation_order(rows: int, renormalize: bool,
+                                                                             pool: int) -> None:
+    """hs_route_softmax against router.softmax_topk on torch's product: the same experts in the same order,
+    weights and probabilities within fp32 rounding of a 2048-long dot product; a tie goes to the lower expert."""
+    from services.engine.models.router import softmax_topk
+
+    g = torch.Generator().manual_seed(rows)
+    router = torch.randn(128, 2048, generator=g) / 45
+    x = torch.randn(rows, 2048, generator=g)
+    weights, ids, probs = formats.route_softmax(x, formats.pack(router, "fp32"), 8, renormalize)
+    want = softmax_topk(F.linear(x, router), 8, renormalize)
+    assert torch.equal(ids, want.experts)
+    torch.testing.assert_close(weights, want.weights, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(probs, want.probs, rtol=1e-5, atol=1e-7)
+    tied = formats.route_softmax(torch.zeros(1, 2048), formats.pack(router, "fp32"), 3, renormalize)
+    assert tied[1].tolist() == [[0, 1, 2]] and torch.allclose(tied[2], torch.full((1, 128), 1 / 128))

@@ -118,6 +118,8 @@ def library() -> ctypes.CDLL | None:
     lib.hs_linear.argtypes = [_ptr, _ptr, _i64, _ptr, _i64, _i64]
     lib.hs_moe.restype = ctypes.c_int
     lib.hs_moe.argtypes = [_ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr]
+    lib.hs_route_softmax.restype = ctypes.c_int
+    lib.hs_route_softmax.argtypes = [_ptr, _ptr, _i64, _i64, _i64, ctypes.c_int, _ptr, _ptr, _ptr]
     lib.hs_isa.restype = ctypes.c_char_p
     lib.hs_set_threads.restype = ctypes.c_int
     lib.hs_set_threads.argtypes = [ctypes.c_int]

@@ -222,6 +222,23 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: ctyp
     return out
 
 
+def route_softmax(x: torch.Tensor, router: CpuMatrix, top_k: int, renormalize: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Softmax routing in one native call: (top-k weights [T, k], their expert ids [T, k] largest first, the
+    softmax over every expert [T, E]), as router.softmax_topk computes them from x @ router^T, up to the
+    product's fp32 summation order (ties: the lower expert first)."""
+    x = x if x.dtype == torch.float32 and x.stride(-1) == 1 else x.float().contiguous()
+    tokens, experts = x.shape[0], router.shape[0]
+    probs = torch.empty(tokens, experts)
+    weights = torch.empty(tokens, top_k)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64)
+    if cpu_kernels.loaded().hs_route_softmax(ctypes.byref(router.native()), x.data_ptr(), x.stride(0), tokens,
+                                             top_k, int(renormalize), probs.data_ptr(), weights.data_ptr(),
+                                             ids.data_ptr()):
+        raise MemoryError("native routing: out of memory for its activation scratch")
+    return weights, ids, probs
+
+
 def expert(x: torch.Tensor, gate_up: CpuMatrix, down: CpuMatrix | None) -> torch.Tensor:
     """One SwiGLU expert on all of x's rows [T, H] -> [T, H] (the one-call MoE with one expert, weight 1); down
     None: its activation [T, I] only."""

@@ -161,3 +161,42 @@ int hs_moe(const hs_matrix *gate_up, const hs_matrix *down, int64_t M, const int
     }
     return 0;
 }
+
+int hs_linear(const hs_matrix *W, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t M);
+
+/* Softmax routing in one call: probs[T, E] = softmax(x @ W^T) (W: the router, any format, E rows), then each
+ * row's top_k (largest first, the lower expert on a tie) into ids and weights, renormalised to sum 1 when
+ * `renorm`. Why: after a layer's weight stream the five small torch ops this replaces ran cold, a tenth of a
+ * millisecond each at Qwen3-30B-A3B's shapes, every layer of every token. Returns 0, -1 when out of memory. */
+int hs_route_softmax(const hs_matrix *W, const float *x, int64_t ldx, int64_t T, int64_t top_k, int renorm,
+                     float *probs, float *weights, int64_t *ids) {
+    int64_t E = W->N;
+    if (hs_linear(W, x, ldx, probs, E, T))
+        return -1;
+    for (int64_t t = 0; t < T; t++) {
+        float *p = probs + t * E, top = p[0], sum = 0.0f;
+        for (int64_t e = 1; e < E; e++)
+            top = p[e] > top ? p[e] : top;
+        for (int64_t e = 0; e < E; e++)
+            sum += p[e] = expf(p[e] - top);
+        for (int64_t e = 0; e < E; e++)
+            p[e] /= sum;
+        float *w = weights + t * top_k, kept = 0.0f;
+        int64_t *id = ids + t * top_k;
+        for (int64_t n = 0; n < top_k; n++) /* insertion into the k best so far, which stay sorted */
+            w[n] = -1.0f, id[n] = -1;
+        for (int64_t e = 0; e < E; e++) {
+            if (p[e] <= w[top_k - 1])
+                continue;
+            int64_t n = top_k - 1;
+            for (; n > 0 && p[e] > w[n - 1]; n--)
+                w[n] = w[n - 1], id[n] = id[n - 1];
+            w[n] = p[e], id[n] = e;
+        }
+        for (int64_t n = 0; n < top_k; n++)
+            kept += w[n];
+        for (int64_t n = 0; renorm && n < top_k; n++)
+            w[n] /= kept;
+    }
+    return 0;
+}

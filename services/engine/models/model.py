@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine import cpu_kernels
+from services.engine.cpu_kernels import formats
 from services.engine.expert_provider import ExpertProvider
 from services.engine.models.attention import (
     AttentionMetadata,
@@ -61,6 +62,10 @@ class MoECausalLM:
         self.native_ready = device.type == "cpu" and dtype == torch.float32 and all(
             n is None or (n.dtype == torch.float32 and n.is_contiguous()) for layer in weights.layers
             for n in (layer.input_norm, layer.post_attention_norm, *_head_norms(layer.attention)))
+        # Softmax routers as the native kernels read them (the same memory): one call routes a layer's tokens.
+        self.native_routers = [
+            formats.as_cpu_matrix(layer.router) if self.native_ready and layer.router is not None
+            and spec.router_rule == "softmax" else None for layer in weights.layers]
         # q and k rotated in one pass over their heads (nothing to clip between projection and RoPE; Qwen3's
         # per-head norms run inside the native pass)
         self.one_pass_rope = spec.mla is None and spec.qk_norm in ("none", "head") and spec.clip_qkv is None
@@ -221,10 +226,11 @@ class MoECausalLM:
         if layer.dense_mlp is not None:
             return swiglu(x, layer.dense_mlp.gate_up, layer.dense_mlp.down)
         assert layer.router is not None  # a layer without a dense MLP has routed experts
-        routing = route(self.spec, x, layer.router, layer.router_bias)
+        usable = cpu_kernels.usable(x)
+        routing = route(self.spec, x, layer.router, layer.router_bias, self.native_routers[i] if usable else None)
         stacked = self.experts.stacked_experts(i)
         native = self.experts.native_experts(i)
-        if native is not None and cpu_kernels.usable(x):
+        if native is not None and usable:
             out = native_moe_forward(x, i, routing, native, ctx)
         elif stacked is not None:
             out = fused_moe_forward(x, i, routing, stacked, ctx)

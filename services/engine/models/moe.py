@@ -191,8 +191,9 @@ def moe_forward(
     for wait in (False, True) if native else ():
         batch = provider.cached_batch(layer, device, wait) if device else None
         if batch is not None:
-            y = formats.moe(x, experts, weights, batch.slots.gate_up, batch.slots.down, x.shape[1], batch.matrix_of)
-            out = y if out is None else out.add_(y)
+            summed = formats.moe(x, experts, weights, batch.slots.gate_up, batch.slots.down, x.shape[1],
+                                 batch.matrix_of)
+            out = summed if out is None else out.add_(summed)
             device = [e for e in device if batch.matrix_of[e] < 0] if len(batch.experts) < len(device) else []
     for expert in device:
         w = provider.get(layer, expert)

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from services.engine.cpu_kernels import formats
 from services.engine.models.spec import ModelSpec
 
 
@@ -21,9 +22,14 @@ class Routing(NamedTuple):
     probs: torch.Tensor  # [tokens, num_experts]: the family's scores, fp32
 
 
-def route(spec: ModelSpec, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Routing:
-    """x: [tokens, hidden]; weight: the router's [num_experts, hidden]; bias: DeepSeek-V3's selection bias."""
+def route(spec: ModelSpec, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+          native: formats.CpuMatrix | None = None) -> Routing:
+    """x: [tokens, hidden]; weight: the router's [num_experts, hidden]; bias: DeepSeek-V3's selection bias;
+    native: the same router as the CPU kernels read it, for a softmax rule in one native call (fp32 activations
+    on the CPU, the kernels built: cpu_kernels.usable)."""
     if spec.router_rule == "softmax":
+        if native is not None:
+            return Routing(*formats.route_softmax(x, native, spec.top_k, spec.norm_topk_prob))
         return softmax_topk(F.linear(x, weight), spec.top_k, spec.norm_topk_prob)
     logits = F.linear(x.float(), weight.float())  # DeepSeek routes in fp32 whatever the run dtype
     if spec.router_rule == "deepseek_v2":

@@ -90,12 +90,13 @@ class CostPlacement(Placement):
             lands = landing.get(expert)
             alone = self._host_job(c.host(n), n)
             fetched = self._link_job(c.link)
-            pieces = None
+            pieces, split_device = None, 0.0
             if lands is None and len(placed.split) < split_room and part is not None:
                 pieces = (self._host_job(part.host * c.host(n), n), self._link_job(part.link * c.link))
+                split_device = part.device * c.device(n)
             device_best = (link_best + self._best(fetched) if lands is None else lands) + c.device(n)
             halves_best = math.inf if pieces is None else (
-                max(host_best + self._best(pieces[0]), link_best + self._best(pieces[1])) + part.device * c.device(n))
+                max(host_best + self._best(pieces[0]), link_best + self._best(pieces[1])) + split_device)
             host_done = min(host_worst + self._worst(alone), host_best + self._best(alone) + link_worst)
             on_host = host_done <= min(device_best, halves_best)
             if on_host:
@@ -105,8 +106,7 @@ class CostPlacement(Placement):
                 on_device = (self._finish(host_jobs, link_jobs + [fetched])[1] if lands is None else lands) + c.device(n)
                 halves = math.inf
                 if pieces is not None:
-                    halves = max(self._finish(host_jobs + [pieces[0]], link_jobs + [pieces[1]]))
-                    halves += part.device * c.device(n)
+                    halves = max(self._finish(host_jobs + [pieces[0]], link_jobs + [pieces[1]])) + split_device
                 on_host = on_host_done <= on_device and on_host_done <= halves
             if on_host:
                 placed.host.append(expert)
