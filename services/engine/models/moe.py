@@ -93,7 +93,7 @@ def record_routing(layer: int, routing: Routing, ctx: StepContext) -> None:
 
 def _counts(experts: torch.Tensor, num_experts: int) -> list[int]:
     """Tokens routed to each expert: a decode step's few assignments counted in Python (a bincount and its
-    tolist cost a full-cache offload layer a fifth of its own time), a prefill's by torch."""
+    tolist were a fifth of a full-cache offload layer's Python time), a prefill's by torch."""
     if experts.numel() > 64:
         return torch.bincount(experts.flatten(), minlength=num_experts).tolist()
     counts = [0] * num_experts
