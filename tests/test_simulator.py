@@ -220,6 +220,9 @@ def test_cli_writes_rows_table_plot_and_rejects_bad_input(tmp_path, capsys) -> N
     # A model directory spec is allowed too; here the small spec is registered for the duration of the test.
     MODEL_SPECS["small"] = SMALL
     try:
+        # Static hot sets counted on warm-up steps need some.
+        assert main(["simulate", "--model-spec", "small", "--trace", trace_dir, "--hot-set-from", "warmup"]) == 2
+        assert "give --warmup-steps N" in capsys.readouterr().err
         assert (
             main(
                 [
@@ -245,7 +248,9 @@ def test_cli_writes_rows_table_plot_and_rejects_bad_input(tmp_path, capsys) -> N
         del MODEL_SPECS["small"]
     printed = capsys.readouterr().out
     assert "| policy | cache GB | TPOT ms |" in printed
-    rows = json.loads(out.read_text())["rows"]
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert result["hot_set_from"] == "trace" and "counted on the whole trace" in result["setting"]
     assert {r["policy"] for r in rows} == {"resident", "lru", "oracle"} and len(rows) == 5
     for key in (
         "policy",

@@ -143,3 +143,35 @@ def test_the_simulated_host_path_is_the_engines_measured_one() -> None:
     saved = Path(__file__).resolve().parents[1] / "bench" / "results" / "offload_grid_one_dram.json"
     measured = json.loads(saved.read_text())["host_path"]["1"]["host_path_s"]
     assert measured / 1.5 <= HOST_PATH_S <= measured * 1.5
+
+
+def _shifting_trace(calibration: int, measured: int):
+    """Every layer routes to experts 0 and 1 for `calibration` tokens, then to 2 and 3."""
+    import numpy as np
+
+    from services.predictor.trace_set import RequestTrace, TraceSet, iteration_from_routing
+
+    L, k = SMALL.num_moe_layers, SMALL.top_k
+    its = [iteration_from_routing("shift", t + 1, np.tile(np.array([0, 1] if t < calibration else [2, 3]), (L, 1)),
+                                  np.full((L, k), 1.0 / k, np.float32), SMALL.num_experts)
+           for t in range(calibration + measured)]
+    layers = [i for i, moe in enumerate(SMALL.moe_layers) if moe]
+    return TraceSet([RequestTrace("shift", its, "synthetic")], L, SMALL.num_experts, k, layers, source="shift")
+
+
+def test_static_hot_sets_are_counted_on_the_calibration_steps_only() -> None:
+    """KTransformers profiles its hot set on a calibration run: counted on the warm-up steps, it holds the
+    experts those steps used, not the measured steps' (which the whole trace would give it)."""
+    from services.simulator.sweep import run_sweep
+
+    workload = Workload(_shifting_trace(4, 12), SMALL)
+    cost = MeasuredCost(SMALL.expert_bytes / 0.004, layer_s=0.001, expert_s=0.0002, host_ratio=10.0)
+    budget = 2 * SMALL.num_moe_layers * SMALL.expert_bytes / 1e9  # two slots a layer: exactly one hot pair
+
+    def hit_rate(hot_set_steps: int | None) -> float:
+        rows, _ = run_sweep(workload, [get_policy("ktransformers")], [budget], cost, warmup_steps=4,
+                            progress=False, hot_set_steps=hot_set_steps)
+        return rows[0]["hit_rate"]
+
+    assert hit_rate(None) == pytest.approx(1.0)  # the whole trace: the measured steps' pair, look-ahead
+    assert hit_rate(4) == pytest.approx(0.0)  # the calibration steps' pair, which the measured steps never use

@@ -123,6 +123,9 @@ def _simulate(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--warmup-steps {args.warmup_steps} leaves none of the trace's {len(workload.steps)} steps"
         )
+    hot_set_from = args.hot_set_from or ("warmup" if args.warmup_steps else "trace")
+    if hot_set_from == "warmup" and not args.warmup_steps:
+        raise ValueError("--hot-set-from warmup counts static hot sets on the --warmup-steps: give --warmup-steps N")
     rows, skipped = run_sweep(
         workload,
         policies,
@@ -134,6 +137,7 @@ def _simulate(args: argparse.Namespace) -> int:
         args.warmup_steps,
         args.eviction,
         progress=not args.quiet,
+        hot_set_steps=args.warmup_steps if hot_set_from == "warmup" else None,
     )
     trace = workload.trace
     setting = (
@@ -141,7 +145,10 @@ def _simulate(args: argparse.Namespace) -> int:
         f"Trace {trace.source}: "
         f"{len(trace.requests)} requests, {workload.decode_tokens} decode tokens, batch {args.batch}, "
         f"prefetch distance {args.prefetch_distance or 'per policy'}, hint latency {args.hint_latency_ms:g} ms. "
-        f"GB = 1e9 bytes; TTFT '-' = the trace has no prefill. Simulated {dt.date.today().isoformat()}."
+        + (f"The first {args.warmup_steps} steps warm the caches and are left out of the figures; static hot sets "
+           f"are counted on {'those steps' if hot_set_from == 'warmup' else 'the whole trace, measured steps too'}. "
+           if args.warmup_steps else "Static hot sets are counted on the whole trace, the measured steps too. ")
+        + f"GB = 1e9 bytes; TTFT '-' = the trace has no prefill. Simulated {dt.date.today().isoformat()}."
     )
     result = {
         "model_spec": spec.name,
@@ -151,6 +158,8 @@ def _simulate(args: argparse.Namespace) -> int:
         "trace": args.trace,
         "batch": args.batch,
         "decode_tokens": workload.decode_tokens,
+        "warmup_steps": args.warmup_steps,
+        "hot_set_from": hot_set_from,
         "setting": setting,
         "rows": rows,
         "not_simulable": skipped,
@@ -190,6 +199,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--expert-group-size", type=int, choices=GROUP_SIZES, default=DEFAULT_GROUP_SIZE)
     p.add_argument(
         "--warmup-steps", type=int, default=0, help="steps left out of the figures (cache warm-up)"
+    )
+    p.add_argument(
+        "--hot-set-from", choices=("warmup", "trace"),
+        help="where static hot sets (ktransformers, fiddler) are counted: the --warmup-steps, a calibration run "
+        "before the measured steps (the default when there are warm-up steps), or the whole trace, measured "
+        "steps included (the default without)",
     )
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--markdown", help="markdown table (default: next to --json)")

@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from services.engine.offload.hybrid_setup import is_hybrid
 from services.engine.offload.policies import OffloadPolicy
+from services.engine.offload.routing_trace import RoutingTrace
 from services.engine.offload.settings import GB, resolve_slots
 from services.simulator.bound import Bound, simulated_bounds
 from services.simulator.hardware import CostModel, HardwareProfile
@@ -49,8 +50,11 @@ def run_sweep(
     warmup_steps: int = 0,
     eviction: str | None = None,
     progress: bool = True,
+    hot_set_steps: int | None = None,
 ) -> tuple[list[dict], list[dict]]:
-    """(rows, not simulable): one row per policy and budget (`resident` once, with every expert)."""
+    """(rows, not simulable): one row per policy and budget (`resident` once, with every expert). Static hot
+    sets (policies pinning "hot") are counted on the first `hot_set_steps` steps, a calibration run before
+    the measured one as KTransformers profiles offline; None: on the whole trace, the measured steps too."""
     spec = workload.spec
     runnable, skipped = [], []
     notes: dict[str, str] = {}
@@ -68,7 +72,12 @@ def run_sweep(
     runs = [(p, None) if p.name == "resident" else (p, b) for p in runnable for b in budgets_gb]
     runs = list(dict.fromkeys(runs))
     path = os.path.join(tempfile.mkdtemp(prefix="hintserve-sim-"), "routing.json")
-    workload.routing_trace().save(path)  # what the oracle and Belady replay, as in the engine
+    trace = workload.routing_trace()
+    trace.save(path)  # what the oracle and Belady replay, as in the engine
+    hot_set_path = path
+    if hot_set_steps is not None:
+        hot_set_path = os.path.join(os.path.dirname(path), "calibration.json")
+        RoutingTrace(trace.num_layers, trace.steps[:hot_set_steps]).save(hot_set_path)
     rows = []
     bounds: dict[float | None, tuple[Bound, Bound]] = {}  # per budget: one configuration, every policy
     for policy, budget in tqdm(runs, desc="simulate", unit="run", disable=not progress):
@@ -76,7 +85,8 @@ def run_sweep(
         if budget not in bounds:
             bounds[budget] = simulated_bounds(workload, cost, slots if budget is not None else None, warmup_steps)
         result = simulate(
-            workload, policy, cost, slots, path, prefetch_distance, hint_latency_s, eviction, warmup_steps,
+            workload, policy, cost, slots, hot_set_path if policy.pinned == "hot" else path, prefetch_distance,
+            hint_latency_s, eviction, warmup_steps,
             bounds[budget],
         )
         row = asdict(result)
