@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -58,31 +59,50 @@ class _TinyProvider(ExpertProvider):
         return 0
 
 
-def _layer_seconds(provider: _TinyProvider, tokens: int, repeats: int) -> float:
-    """Median seconds of one MoE layer of `tokens` tokens, each routed to TOP_K experts."""
+def _layer(provider: _TinyProvider, tokens: int) -> Callable[[], None]:
+    """One MoE layer of `tokens` tokens, each routed to TOP_K experts."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, WIDTH, generator=gen)
     probs = torch.softmax(torch.randn(tokens, EXPERTS, generator=gen), dim=-1)
     weights, experts = probs.topk(TOP_K, dim=-1)
+    routing = Routing(weights, experts, probs)
     ctx = StepContext(phase=Phase.DECODE, request_ids=["r"], num_tokens=tokens)
-    samples = []
-    for i in range(repeats + repeats // 10):
-        start = time.perf_counter()
-        moe_forward(x, 0, Routing(weights, experts, probs), provider, ctx)
-        if i >= repeats // 10:  # the first tenth warms the threads up
-            samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+
+    def layer() -> None:
+        moe_forward(x, 0, routing, provider, ctx)
+
+    return layer
 
 
-def measure_host_path(tokens: int, repeats: int = 400, threads: int = 1) -> dict[str, float]:
+def _seconds(layer: Callable[[], None], count: int) -> float:
+    start = time.perf_counter()
+    for _ in range(count):
+        layer()
+    return (time.perf_counter() - start) / count
+
+
+def measure_host_path(tokens: int, repeats: int = 400, threads: int = 1, batch: int = 8) -> dict[str, float]:
     """Per MoE layer of `tokens` tokens: seconds with every expert on the host, with half of them, in place,
-    and the host path's own cost in both cases (the differences), with `threads` host worker threads."""
+    and the host path's own cost in both cases, with `threads` host worker threads. The three run in turn,
+    `batch` layers each, round after round, and each cost is the median of its rounds' differences: measured
+    one after the other, a machine's drift between them came out larger than the path (0 or less)."""
     executor = HostExecutor(threads, OffloadStats(1))
     try:
-        host = _layer_seconds(_TinyProvider(executor), tokens, repeats)
-        mixed = _layer_seconds(_TinyProvider(executor, mixed=True), tokens, repeats)
+        runs = {name: _layer(provider, tokens) for name, provider in (
+            ("host", _TinyProvider(executor)), ("mixed", _TinyProvider(executor, mixed=True)),
+            ("device", _TinyProvider(None)))}
+        for run in runs.values():  # warms the threads up
+            _seconds(run, max(1, repeats // 10))
+        rounds: dict[str, list[float]] = {name: [] for name in runs}
+        for _ in range(max(1, repeats // batch)):
+            for name, run in runs.items():
+                rounds[name].append(_seconds(run, batch))
     finally:
         executor.shutdown()
-    device = _layer_seconds(_TinyProvider(None), tokens, repeats)
-    return {"tokens": tokens, "host_layer_s": host, "mixed_layer_s": mixed, "device_layer_s": device,
-            "host_path_s": max(0.0, host - device), "mixed_path_s": max(0.0, mixed - device)}
+    median = {name: statistics.median(samples) for name, samples in rounds.items()}
+
+    def path(name: str) -> float:
+        return max(0.0, statistics.median(a - b for a, b in zip(rounds[name], rounds["device"])))
+
+    return {"tokens": tokens, "host_layer_s": median["host"], "mixed_layer_s": median["mixed"],
+            "device_layer_s": median["device"], "host_path_s": path("host"), "mixed_path_s": path("mixed")}
