@@ -161,6 +161,11 @@ def dequantize(m: CpuMatrix) -> torch.Tensor:
     return ((q.view(n, groups, g) - 8) * scale[..., None] + zero[..., None]).view(n, k)
 
 
+def _f32_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels read activations: fp32 rows of unit stride (rows may be strided); x itself when it is."""
+    return x if x.dtype == torch.float32 and x.stride(-1) == 1 else x.float().contiguous()
+
+
 def matmul(x: torch.Tensor, m: CpuMatrix, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (fp32; rows may be strided) @ m^T (+ bias) -> fp32 [M, N], written into `out` when given."""
     rows, (n, k) = x.shape[0], m.shape
@@ -168,8 +173,7 @@ def matmul(x: torch.Tensor, m: CpuMatrix, out: torch.Tensor | None = None) -> to
     if lib is None or not native_widths(m.format, k, m.group):
         y = F.linear(x.float(), dequantize(m), m.bias)
         return y if out is None else out.copy_(y)
-    if x.dtype != torch.float32 or x.stride(-1) != 1:
-        x = x.float().contiguous()
+    x = _f32_rows(x)
     if out is None:
         out = torch.empty(rows, n)
     if lib.hs_linear(ctypes.byref(m.native()), x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), rows):
@@ -203,7 +207,7 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: ctyp
     ([T, width = H]); down None: one expert's SwiGLU activation only ([T, width = I], a split expert's half).
     matrix_of: the matrix index of each expert id, -1 for one left out (adds nothing); None: expert e is
     matrix e."""
-    x = x if x.dtype == torch.float32 and x.stride(-1) == 1 else x.float().contiguous()
+    x = _f32_rows(x)
     # Checked before converting: each no-op .to()/.contiguous() still costs a dispatch (~0.4 us), and a
     # decode layer's host jobs call this once per expert.
     if ids.dtype != torch.int64 or not ids.is_contiguous():
@@ -227,7 +231,7 @@ def route_softmax(x: torch.Tensor, router: CpuMatrix, top_k: int, renormalize: b
     """Softmax routing in one native call: (top-k weights [T, k], their expert ids [T, k] largest first, the
     softmax over every expert [T, E]), as router.softmax_topk computes them from x @ router^T, up to the
     product's fp32 summation order (ties: the lower expert first)."""
-    x = x if x.dtype == torch.float32 and x.stride(-1) == 1 else x.float().contiguous()
+    x = _f32_rows(x)
     tokens, experts = x.shape[0], router.shape[0]
     probs = torch.empty(tokens, experts)
     weights = torch.empty(tokens, top_k)
