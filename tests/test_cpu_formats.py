@@ -102,6 +102,32 @@ def test_one_call_moe_is_the_per_expert_sum(fmt: str, pool: int) -> None:
         formats.moe(x, ids + experts, weights, formats.native_array(gate_up), formats.native_array(down), hidden)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("tokens, top_k, one_expert", [(9000, 2, False), (17000, 1, True)],
+                         ids=["whole-experts-a-pass", "one-expert-over-two-passes"])
+def test_a_call_larger_than_one_pass_of_intermediates_is_still_the_per_expert_sum(
+        fmt: str, tokens: int, top_k: int, one_expert: bool) -> None:
+    """hs_moe holds at most MOE_PASS_BYTES (16 MB) of intermediates: these calls need over 16 MB at these
+    widths, so they run in passes, the second one an expert's tokens split over two."""
+    g = torch.Generator().manual_seed(11)
+    experts, hidden, inter = 4, 64, 64
+    gate_up = [formats.pack(torch.randn(2 * inter, hidden, generator=g) * 0.1, fmt, 64) for _ in range(experts)]
+    down = [formats.pack(torch.randn(hidden, inter, generator=g) * 0.1, fmt, 64) for _ in range(experts)]
+    x = torch.randn(tokens, hidden, generator=g)
+    if one_expert:
+        ids = torch.zeros(tokens, 1, dtype=torch.int64)
+    else:
+        ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=g)
+    out = formats.moe(x, ids, weights, formats.native_array(gate_up), formats.native_array(down), hidden)
+    expected = torch.zeros(tokens, hidden)
+    for e in range(experts):
+        gate, up = F.linear(x, formats.dequantize(gate_up[e])).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, formats.dequantize(down[e]))
+        expected += ((ids == e) * weights).sum(dim=1, keepdim=True) * y
+    assert _relative_error(out, expected) < 2 * TOLERANCE[fmt]
+
+
 def test_a_second_thread_calling_during_a_pool_job_runs_alone() -> None:
     """The host executor's threads call the kernels beside the serving loop: each call gets its own answer."""
     import concurrent.futures

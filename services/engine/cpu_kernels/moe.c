@@ -2,10 +2,11 @@
  * [2I, H] and down [H, I] matrix, torch's Linear layout, as the host store and cache slots keep them).
  *
  * Why one call: per expert from Python, a decode step paid for grouping, gathers, two calls and a scatter per
- * expert and layer, and every call was a pool barrier. Here the layer is three barriers on the pool whatever
- * the expert count: every active expert's gate/up rows, then each assignment's SwiGLU (and its activations'
- * quantization for down), then every active expert's down rows; the weighted sum per token runs last.
- * Each expert's weights are read once per MB of its tokens. */
+ * expert and layer, and every call was a pool barrier. Here a pass over the layer's assignments (one, but for
+ * long prefill chunks: MOE_PASS_BYTES) is three barriers on the pool whatever the expert count: every active
+ * expert's gate/up rows, then each assignment's SwiGLU (and its activations' quantization for down), then
+ * every active expert's down rows; the weighted sum per token runs last. Each expert's weights are read from
+ * memory once per pass that holds its tokens. */
 #include <math.h>
 #include <string.h>
 
@@ -15,12 +16,12 @@ typedef struct {
     const hs_matrix *gate_up, *down;
     const int64_t *expert_of; /* [active]: the expert of each active slot */
     const int64_t *start;     /* [active + 1]: its assignments' range (grouped by expert, tokens ascending) */
-    const int64_t *token_of;  /* [A] */
-    const int64_t *items;     /* [active + 1]: work items per phase-1/3 slot, prefix sums */
-    const int64_t *identity; /* [A]: 0, 1, ... (down reads the assignments' own rows) */
+    const int64_t *token_of;  /* [the pass's assignments] */
+    int64_t *items;           /* [active + 1]: work items per phase-1/3 slot, prefix sums */
+    const int64_t *identity;  /* 0, 1, ... (down reads the assignments' own rows) */
     int64_t active, I, H;
     acts *in, *mid;
-    float *h, *act, *y; /* [A, 2I], [A, I], [A, H] */
+    float *h, *act, *y; /* per assignment of the pass: [2I], [I], [H] */
 } moe_job;
 
 static int64_t slot_of(const moe_job *j, int64_t item) {
@@ -62,6 +63,26 @@ static void down_item(void *ctx, int64_t item) {
 
 static int64_t up64(int64_t bytes) { return (bytes + 127) & ~(int64_t)63; }
 
+/* Bytes of intermediates (gate/up outputs, SwiGLU activations and their prepared form, down outputs) one pass
+ * holds: a 512-token prefill chunk of Qwen3-30B-A3B (4096 assignments) held 72 MB at once, per calling thread,
+ * kept for the process's life. The assignments are sorted by expert, so a pass is a run of whole experts and
+ * each expert's weights are still read once; only an expert with more tokens than a pass holds is split. */
+#ifndef MOE_PASS_BYTES
+#define MOE_PASS_BYTES (16 << 20)
+#endif
+
+/* One pass: every slot's gate/up rows, the SwiGLUs, every slot's down rows. */
+static void run_pass(moe_job *job) {
+    int64_t n = job->active;
+    hs_parallel(gate_up_item, job, job->items[n]);
+    hs_parallel(swiglu_item, job, job->start[n]);
+    if (!job->down)
+        return;
+    for (int64_t s = 0; s < n; s++) /* down has H rows, not 2I */
+        job->items[s + 1] = job->items[s] + (job->H + NCHUNK - 1) / NCHUNK;
+    hs_parallel(down_item, job, job->items[n]);
+}
+
 /* out[T, H] = sum over each token's top_k experts (ids, weights [T, top_k]) of weight * SwiGLU expert(x).
  * gate_up, down: [M] matrices, one format and shape for all. matrix_of: [E], the matrix of each expert id, or -1
  * for an expert this call leaves out (its assignments add nothing: the offload path computes a layer's cached
@@ -80,12 +101,15 @@ int hs_moe(const hs_matrix *gate_up, const hs_matrix *down, int64_t M, const int
     for (int64_t e = 0; matrix_of && e < E; e++)
         if (matrix_of[e] < -1 || matrix_of[e] >= M)
             return -1;
-    const int64_t *identity = hs_identity_rows(A);
+    int64_t per = 4 * (3 * I + H) + (down ? hs_acts_bytes(&down[0], 1) : 0);
+    int64_t cap = MOE_PASS_BYTES / per < A ? MOE_PASS_BYTES / per : A; /* assignments a pass holds */
+    cap = cap < 1 ? 1 : cap;
+    const int64_t *identity = hs_identity_rows(cap);
     if (!identity)
         return -2;
-    int64_t in_bytes = up64(hs_acts_bytes(&gate_up[0], T)), mid_bytes = down ? up64(hs_acts_bytes(&down[0], A)) : 0;
-    int64_t ints = 4 * M + 2 + 2 * A;
-    int64_t bytes = in_bytes + mid_bytes + up64(ints * 8) + up64(A * 2 * I * 4) + up64(A * I * 4) + up64(A * H * 4);
+    int64_t in_bytes = up64(hs_acts_bytes(&gate_up[0], T)), mid_bytes = down ? up64(hs_acts_bytes(&down[0], cap)) : 0;
+    int64_t ints = 7 * M + 4 + 2 * A;
+    int64_t bytes = in_bytes + mid_bytes + up64(ints * 8) + up64(cap * 2 * I * 4) + up64(cap * I * 4) + up64(cap * H * 4);
     char *base = hs_scratch(bytes);
     if (!base)
         return -2;
@@ -95,12 +119,12 @@ int hs_moe(const hs_matrix *gate_up, const hs_matrix *down, int64_t M, const int
     p += in_bytes;
     char *mid_scratch = p;
     p += mid_bytes;
-    int64_t *counts = (int64_t *)p, *expert_of = counts + M, *start = expert_of + M, *items = start + M + 1;
-    int64_t *token_of = items + M + 1, *pos = token_of + A;
+    int64_t *counts = (int64_t *)p, *expert_of = counts + M, *start = expert_of + M, *token_of = start + M + 1;
+    int64_t *pos = token_of + A, *pass_expert = pos + A, *pass_start = pass_expert + M, *pass_items = pass_start + M + 1;
     p += up64(ints * 8);
-    float *h = (float *)p, *act = (float *)(p + up64(A * 2 * I * 4));
-    float *y = (float *)((char *)act + up64(A * I * 4));
-    hs_acts_init(down ? &down[0] : &gate_up[0], act, I, A, mid_scratch, &mid);
+    float *h = (float *)p, *act = (float *)(p + up64(cap * 2 * I * 4));
+    float *y = (float *)((char *)act + up64(cap * I * 4));
+    hs_acts_init(down ? &down[0] : &gate_up[0], act, I, cap, mid_scratch, &mid);
     if (!down) /* no down projection to prepare activations for: the SwiGLU phase only writes act */
         mid.bf16 = NULL, mid.q = NULL;
     hs_acts_fill(&in, 0, T);
@@ -113,13 +137,11 @@ int hs_moe(const hs_matrix *gate_up, const hs_matrix *down, int64_t M, const int
             counts[MATRIX(i)]++;
     int64_t active = 0;
     start[0] = 0;
-    items[0] = 0;
     for (int64_t e = 0; e < M; e++) {
         if (!counts[e])
             continue;
         expert_of[active] = e;
         start[active + 1] = start[active] + counts[e];
-        items[active + 1] = items[active] + (2 * I + NCHUNK - 1) / NCHUNK;
         counts[e] = start[active]; /* from here: the next free assignment of e */
         active++;
     }
@@ -133,31 +155,45 @@ int hs_moe(const hs_matrix *gate_up, const hs_matrix *down, int64_t M, const int
         pos[i] = a;
     }
 #undef MATRIX
-    moe_job job = {gate_up, down, expert_of, start, token_of, items, identity, active, I, H, &in, &mid, h, act, y};
-    hs_parallel(gate_up_item, &job, items[active]);
-    hs_parallel(swiglu_item, &job, start[active]);
-    if (!down) {
-        for (int64_t i = 0; i < A; i++)
-            if (pos[i] < 0)
-                memset(out + i * I, 0, I * sizeof *out);
-            else
-                memcpy(out + i * I, act + pos[i] * I, I * sizeof *out);
-        return 0;
-    }
-    for (int64_t s = 0; s < active; s++) /* down has H rows, not 2I */
-        items[s + 1] = items[s] + (H + NCHUNK - 1) / NCHUNK;
-    hs_parallel(down_item, &job, items[active]);
-    for (int64_t t = 0; t < T; t++) {
-        float *o = out + t * H;
-        memset(o, 0, H * sizeof *o);
-        for (int64_t k = 0; k < top_k; k++) {
-            if (pos[t * top_k + k] < 0)
-                continue;
-            const float *src = y + pos[t * top_k + k] * H;
-            float w = weights[t * top_k + k];
-            for (int64_t i = 0; i < H; i++)
-                o[i] += w * src[i];
+    memset(out, 0, (down ? T * H : A * I) * sizeof *out);
+    for (int64_t s = 0, a0 = 0; a0 < start[active]; ) {
+        int64_t n = 0, a1 = a0; /* this pass: whole slots while they fit, else the part of one that does */
+        pass_items[0] = 0;
+        while (s < active) {
+            int64_t end = start[s + 1];
+            if (end - a0 > cap) {
+                if (n)
+                    break;
+                end = a0 + cap; /* an expert with more tokens than a pass holds: the rest in the next */
+            }
+            pass_expert[n] = expert_of[s];
+            pass_start[n] = a1 - a0;
+            pass_items[n + 1] = pass_items[n] + (2 * I + NCHUNK - 1) / NCHUNK;
+            n++;
+            a1 = end;
+            if (end < start[s + 1])
+                break;
+            s++;
         }
+        pass_start[n] = a1 - a0;
+        moe_job job = {gate_up, down, pass_expert, pass_start, token_of + a0, pass_items, identity, n, I, H,
+                       &in, &mid, h, act, y};
+        run_pass(&job);
+        /* Each token's experts in the router's order (of those this pass holds): one pass sums bit for bit as the
+         * resident layer always has, which the offload path's cached batch relies on. */
+        for (int64_t i = 0; i < A; i++) {
+            if (pos[i] < a0 || pos[i] >= a1)
+                continue;
+            if (!down) {
+                memcpy(out + i * I, act + (pos[i] - a0) * I, I * sizeof *out);
+                continue;
+            }
+            float *o = out + i / top_k * H, w = weights[i];
+            const float *src = y + (pos[i] - a0) * H;
+            for (int64_t k = 0; k < H; k++)
+                o[k] += w * src[k];
+        }
+        a0 = a1;
     }
     return 0;
 }
