@@ -51,6 +51,16 @@ def test_readme_is_short_and_keeps_the_ci_command() -> None:
     assert command in readme and command in ci
 
 
+def test_the_changelog_keeps_its_shape() -> None:
+    """Keep a Changelog's layout, each entry once: a scripted edit once replaced an empty string and wrote one
+    entry between every two characters of the file (10 MB)."""
+    text = (REPO_ROOT / "CHANGELOG.md").read_text()
+    assert text.startswith("# Changelog\n") and "## [Unreleased]" in text
+    assert len(text) < 200_000 and max(map(len, text.splitlines())) <= 120
+    entries = [e for e in re.split(r"^- ", text, flags=re.M)[1:] if len(e) > 80]
+    assert len(entries) == len(set(entries)), "an entry appears twice"
+
+
 def _sections(page: Path) -> dict[str, str]:
     parts = re.split(r"^## `([^`]+)`$", page.read_text(), flags=re.M)
     return dict(zip(parts[1::2], parts[2::2]))
