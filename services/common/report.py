@@ -14,7 +14,11 @@ import torch
 def machine_description() -> str:
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
-    return f"{platform.processor() or platform.machine()} CPU x{os.cpu_count()}, torch {torch.__version__}"
+    from services.doctor.machine import cpu_info  # the one reader of /proc/cpuinfo
+
+    cpu = cpu_info()
+    features = "+".join(name for name, present in cpu["features"].items() if present) or platform.machine()
+    return f"{cpu['model']} x{cpu['cores']} ({features}), torch {torch.__version__}"
 
 
 def run_header() -> dict[str, str]:
