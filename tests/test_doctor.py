@@ -104,7 +104,7 @@ def test_saved_results_name_the_cpu_and_its_vector_features(monkeypatch: pytest.
     """Every bench JSON's `machine`: which CPU, since the kernels' rates depend on its ISA."""
     from services.common import report
 
-    monkeypatch.setattr(machine, "cpu_info", lambda: {"model": "Test CPU", "cores": 2, "features": {
+    monkeypatch.setattr(report, "cpu_info", lambda: {"model": "Test CPU", "cores": 2, "features": {
         "avx2": True, "avx512": True, "vnni": True, "bf16": False, "amx": False}})
     monkeypatch.setattr(report.torch.cuda, "is_available", lambda: False)
     assert report.machine_description().startswith("Test CPU x2 (avx2+avx512+vnni), torch ")

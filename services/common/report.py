@@ -10,12 +10,12 @@ from collections.abc import Sequence
 
 import torch
 
+from services.common.cpu import cpu_info
+
 
 def machine_description() -> str:
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
-    from services.doctor.machine import cpu_info  # the one reader of /proc/cpuinfo
-
     cpu = cpu_info()
     features = "+".join(name for name, present in cpu["features"].items() if present) or platform.machine()
     return f"{cpu['model']} x{cpu['cores']} ({features}), torch {torch.__version__}"

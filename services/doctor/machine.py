@@ -10,14 +10,8 @@ import sys
 import time
 from typing import Any
 
-# /proc/cpuinfo flags, by what they mean for the kernels (expert GEMMs and quantized matmuls).
-CPU_FEATURES = {
-    "avx2": ("avx2",),
-    "avx512": ("avx512f",),
-    "vnni": ("avx512_vnni", "avx_vnni"),
-    "bf16": ("avx512_bf16",),
-    "amx": ("amx_bf16", "amx_tile", "amx_int8"),
-}
+from services.common.cpu import cpu_info  # noqa: F401  (the doctor reports it: cli.py)
+
 _BANDWIDTH_BYTES = 128 << 20  # 4x a large L3, so copies stream from DRAM
 _BANDWIDTH_SECONDS = 1.0
 
@@ -40,23 +34,6 @@ def cuda_devices() -> list[dict[str, Any]]:
         out.append({"index": i, "name": p.name, "memory_gb": p.total_memory / 1e9,
                     "capability": f"{p.major}.{p.minor}"})
     return out
-
-
-def cpu_info(cpuinfo: str = "/proc/cpuinfo") -> dict[str, Any]:
-    flags: set[str] = set()
-    model = platform.processor() or platform.machine()
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in ("flags", "Features") and not flags:
-                    flags = set(value.split())
-                elif key.strip() == "model name":
-                    model = value.strip()
-    except OSError:
-        pass
-    features = {name: any(f in flags for f in names) for name, names in CPU_FEATURES.items()}
-    return {"model": model, "cores": os.cpu_count() or 1, "features": features}
 
 
 def host_memory_gb() -> dict[str, float]:
