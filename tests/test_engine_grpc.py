@@ -27,7 +27,9 @@ PROMPT = "The quick brown fox"
 
 @pytest.fixture
 async def engine(tiny_mixtral_dir: str) -> AsyncIterator[Any]:
-    eng = AsyncLLMEngine(EngineConfig(model=tiny_mixtral_dir, max_num_seqs=4))
+    # The core on a thread: these tests are about the gRPC boundary, and a spawned core process cost each one
+    # 4 s of start-up (test_engine_process.py covers the process and its deaths).
+    eng = AsyncLLMEngine(EngineConfig(model=tiny_mixtral_dir, max_num_seqs=4), core_in_thread=True)
     await eng.start()
     yield eng
     await eng.shutdown()
