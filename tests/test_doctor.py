@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from services.cli import main
+from services.common.cpu import cpu_info
 from services.doctor import machine
 from services.doctor.model_check import check_model
 from services.doctor.recommend import recommend
@@ -95,7 +96,7 @@ def test_cpu_features_from_cpuinfo(tmp_path: Path) -> None:
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("model name\t: Test CPU\nflags\t\t: fpu sse avx2 avx512f avx512_vnni\n\n"
                        "model name\t: Test CPU\nflags\t\t: fpu sse avx2 avx512f avx512_vnni\n")
-    info = machine.cpu_info(str(cpuinfo))
+    info = cpu_info(str(cpuinfo))
     assert info["model"] == "Test CPU"
     assert info["features"] == {"avx2": True, "avx512": True, "vnni": True, "bf16": False, "amx": False}
 

@@ -18,6 +18,7 @@ def _yes(flag: bool) -> str:
 
 def collect(args: argparse.Namespace) -> dict[str, Any]:
     """Every probe's result and the recommendation, as one JSON-ready dict."""
+    from services.common.cpu import cpu_info
     from services.doctor import machine
 
     start = time.perf_counter()
@@ -26,7 +27,7 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
         from services.doctor.model_check import check_model
 
         model = check_model(args.model)  # bad input fails first, before the slow probes
-    cpu = machine.cpu_info()
+    cpu = cpu_info()
     report: dict[str, Any] = {
         "build": machine.builds(), "cuda": machine.cuda_devices(), "cpu": cpu,
         "native_kernels": machine.native_kernels(), "pinned_memory": machine.pinned_memory(),

@@ -1,5 +1,6 @@
-"""What this machine offers for serving: builds, devices, CPU features, native kernels, memory and link
-bandwidth, Redis. Each probe returns plain data (the CLI prints it or dumps it as JSON) and never raises."""
+"""What this machine offers for serving: builds, devices, native kernels, memory and link bandwidth, Redis (the
+CPU's model and features: services/common/cpu.py). Each probe returns plain data (the CLI prints it or dumps it
+as JSON) and never raises."""
 
 from __future__ import annotations
 
@@ -9,8 +10,6 @@ import platform
 import sys
 import time
 from typing import Any
-
-from services.common.cpu import cpu_info  # noqa: F401  (the doctor reports it: cli.py)
 
 _BANDWIDTH_BYTES = 128 << 20  # 4x a large L3, so copies stream from DRAM
 _BANDWIDTH_SECONDS = 1.0
