@@ -128,17 +128,28 @@ class Cluster:
 
     def start_predictor(self) -> float:
         start = time.monotonic()
+        self._launch_predictor()
+        self._await_predictor()
+        return time.monotonic() - start
+
+    def _launch_predictor(self) -> None:
         argv = hintserve(
             "predictor", "--redis-url", self.redis_url, "--grpc-port", "-1", "--metrics-port", "0",
             "--snapshot-dir", str(self.work / "snapshots"), "--snapshot-interval-s", "5",
             "--consumer", "fault-predictor", "--max-context-age-ms", "10000",
         )
         self.processes["predictor"] = LiveProcess("predictor", argv)
+
+    def _await_predictor(self) -> None:
         self.predictor_metrics = self.processes["predictor"].wait_for_line(r"metrics (http://\S+/metrics)").group(1)
-        return time.monotonic() - start
 
     def start_engine(self, i: int) -> float:
         start = time.monotonic()
+        self._launch_engine(i)
+        self._await_engine(i)
+        return time.monotonic() - start
+
+    def _launch_engine(self, i: int) -> None:
         env = {
             "HINTSERVE_DEVICE": "cpu",
             "HINTSERVE_LINK": "emulated",
@@ -150,8 +161,9 @@ class Cluster:
         }
         argv = hintserve("engine", "--model", self.model_dir, "--port", str(self.engine_ports[i]), "--metrics-port", "-1")
         self.processes[f"engine{i}"] = LiveProcess(f"engine{i}", argv, env=env)
+
+    def _await_engine(self, i: int) -> None:
         self.processes[f"engine{i}"].wait_for_line(r"engine serving \S+ on ")
-        return time.monotonic() - start
 
     def start_gateway(self) -> None:
         engines = ",".join(f"127.0.0.1:{p}" for p in self.engine_ports)
@@ -164,10 +176,15 @@ class Cluster:
         self.gateway_url = self.processes["gateway"].wait_for_line(r"gateway serving .* at (http://\S+)/v1 \(2/2").group(1)
 
     def start(self) -> None:
+        """Redis first (the others connect to it), then the predictor and both engines at once: each is mostly
+        a Python start-up, and one after another they took 19 s of the suite."""
         self.start_redis()
-        self.start_predictor()
+        self._launch_predictor()
         for i in range(2):
-            self.start_engine(i)
+            self._launch_engine(i)
+        self._await_predictor()
+        for i in range(2):
+            self._await_engine(i)
         self.start_gateway()
 
     def kill(self, name: str) -> None:
