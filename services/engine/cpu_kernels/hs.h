@@ -42,6 +42,11 @@ void hs_acts_init(const hs_matrix *W, const float *x, int64_t ldx, int64_t M, ch
 void hs_acts_fill(acts *a, int64_t m0, int64_t m1);
 void hs_rows_block(const hs_matrix *W, const acts *a, const int64_t *rows, int64_t M, int64_t n0, int64_t n1,
                    float *y, int64_t ldy);
+/* A job's work items over W for M activation rows, and item `item` of them (rows.c: chunks of NCHUNK weight rows,
+ * or pairs of them where one row reads two streams). */
+int64_t hs_items(const hs_matrix *W, int64_t M);
+void hs_rows_item(const hs_matrix *W, const acts *a, const int64_t *rows, int64_t M, int64_t item, float *y,
+                  int64_t ldy);
 char *hs_scratch(int64_t bytes);
 const int64_t *hs_identity_rows(int64_t M);
 char *align64(char *p);

@@ -177,8 +177,7 @@ typedef struct {
 
 static void linear_item(void *ctx, int64_t item) {
     linear_job *j = ctx;
-    int64_t n0 = item * NCHUNK, n1 = n0 + NCHUNK < j->W->N ? n0 + NCHUNK : j->W->N;
-    hs_rows_block(j->W, j->a, j->rows, j->a->M, n0, n1, j->y, j->ldy);
+    hs_rows_item(j->W, j->a, j->rows, j->a->M, item, j->y, j->ldy);
 }
 
 static __thread char *tls_scratch;
@@ -220,6 +219,6 @@ int hs_linear(const hs_matrix *W, const float *x, int64_t ldx, float *y, int64_t
     hs_acts_init(W, x, ldx, M, buf, &a);
     hs_acts_fill(&a, 0, M);
     linear_job job = {W, &a, rows, y, ldy};
-    hs_parallel(linear_item, &job, (W->N + NCHUNK - 1) / NCHUNK);
+    hs_parallel(linear_item, &job, hs_items(W, M));
     return 0;
 }

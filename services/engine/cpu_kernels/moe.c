@@ -38,10 +38,9 @@ static int64_t slot_of(const moe_job *j, int64_t item) {
 
 static void gate_up_item(void *ctx, int64_t item) {
     moe_job *j = ctx;
-    int64_t s = slot_of(j, item), n0 = (item - j->items[s]) * NCHUNK, n1 = n0 + NCHUNK;
-    const hs_matrix *W = &j->gate_up[j->expert_of[s]];
-    hs_rows_block(W, j->in, j->token_of + j->start[s], j->start[s + 1] - j->start[s], n0, n1 < W->N ? n1 : W->N,
-                  j->h + j->start[s] * 2 * j->I, 2 * j->I);
+    int64_t s = slot_of(j, item);
+    hs_rows_item(&j->gate_up[j->expert_of[s]], j->in, j->token_of + j->start[s], j->start[s + 1] - j->start[s],
+                 item - j->items[s], j->h + j->start[s] * 2 * j->I, 2 * j->I);
 }
 
 static void swiglu_item(void *ctx, int64_t a) {
@@ -55,10 +54,9 @@ static void swiglu_item(void *ctx, int64_t a) {
 
 static void down_item(void *ctx, int64_t item) {
     moe_job *j = ctx;
-    int64_t s = slot_of(j, item), n0 = (item - j->items[s]) * NCHUNK, n1 = n0 + NCHUNK;
-    const hs_matrix *W = &j->down[j->expert_of[s]];
-    hs_rows_block(W, j->mid, j->identity + j->start[s], j->start[s + 1] - j->start[s],
-                  n0, n1 < W->N ? n1 : W->N, j->y + j->start[s] * j->H, j->H);
+    int64_t s = slot_of(j, item);
+    hs_rows_item(&j->down[j->expert_of[s]], j->mid, j->identity + j->start[s], j->start[s + 1] - j->start[s],
+                 item - j->items[s], j->y + j->start[s] * j->H, j->H);
 }
 
 static int64_t up64(int64_t bytes) { return (bytes + 127) & ~(int64_t)63; }
@@ -79,7 +77,7 @@ static void run_pass(moe_job *job) {
     if (!job->down)
         return;
     for (int64_t s = 0; s < n; s++) /* down has H rows, not 2I */
-        job->items[s + 1] = job->items[s] + (job->H + NCHUNK - 1) / NCHUNK;
+        job->items[s + 1] = job->items[s] + hs_items(&job->down[job->expert_of[s]], job->start[s + 1] - job->start[s]);
     hs_parallel(down_item, job, job->items[n]);
 }
 
@@ -168,7 +166,7 @@ int hs_moe(const hs_matrix *gate_up, const hs_matrix *down, int64_t M, const int
             }
             pass_expert[n] = expert_of[s];
             pass_start[n] = a1 - a0;
-            pass_items[n + 1] = pass_items[n] + (2 * I + NCHUNK - 1) / NCHUNK;
+            pass_items[n + 1] = pass_items[n] + hs_items(&gate_up[expert_of[s]], end - a1);
             n++;
             a1 = end;
             if (end < start[s + 1])
