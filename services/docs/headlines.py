@@ -86,6 +86,8 @@ HEADLINES = (
              "vs_llamacpp.json", "benchmarks/cpu-real-shape.md", _vs_llamacpp),
     Headline("The same on an AVX2-only CPU (Zen 3)", "vs_llamacpp_zen3.json", "benchmarks/cpu-real-shape.md",
              _vs_llamacpp),
+    Headline("The same on an Intel Xeon (AVX-512 with VNNI and BF16)", "vs_llamacpp_xeon_bf16.json",
+             "benchmarks/cpu-real-shape.md", _vs_llamacpp),
     Headline("int4 experts, demo model (all experts)", "quant.json",
              "benchmarks/quantized.md", _quant),
     Headline("Gateway overhead", "gateway.json", "benchmarks/gateway.md", _gateway),
