@@ -234,6 +234,8 @@ int main(void) {
             for (size_t r = 0; r < sizeof rows / sizeof *rows; r++) {
                 check_linear(format, 40, 256, rows[r], (int)(r % 2));
                 check_linear(format, 16, 128, rows[r], 0);
+                check_linear(format, 80, 192, rows[r], (int)(r % 2)); /* one row: 5 chunks, 2 pairs and 1 alone */
+                check_linear(format, 64, 128, rows[r], (int)(r % 2)); /* one row: 4 chunks, 2 pairs */
             }
         for (int64_t format = F32; format <= Q4; format++) {
             for (int mapped = 0; mapped <= 1; mapped++) {
