@@ -11,7 +11,7 @@ from services.simulator.engine_agreement import compare_with_engine
 @pytest.mark.slow
 def test_simulated_tpot_agrees_with_the_engine(demo_model_dir: str) -> None:
     # At 0.2 GB/s a demo expert's copy takes 7.8 ms, still over 100 times its compute: half the default's wall
-    # time (23 s -> 12 s on a Xeon guest), errors -6% to -0% there against -5% to +1% at 0.1.
+    # time (23 s -> 12 s on a Xeon guest), errors -6% to 0% there against -5% to +1% at 0.1.
     rows, prices = compare_with_engine(demo_model_dir, link_gbps=0.2)
     report = "; ".join(
         f"{r.policy}: engine {r.engine_tpot_ms:.1f} ms, simulated {r.sim_tpot_ms:.1f} ms ({r.tpot_error:+.0%})"

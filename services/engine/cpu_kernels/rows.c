@@ -647,6 +647,20 @@ INLINE void q8_tile_pair(const uint8_t *wa, const uint8_t *wb, const float *ws_a
                                          bias_b ? _mm512_loadu_ps(bias_b) : _mm512_setzero_ps()));
 }
 
+/* A group's scales, and its zeros less 8 scales (the offset's and the zero's share), from after its nibbles. */
+INLINE void q4_scales(const uint8_t *block, int64_t g, __m512 *scale, __m512 *zero8) {
+    const uint16_t *sz = (const uint16_t *)(block + g / 2 * TILE);
+    *scale = bf16x16(sz);
+    *zero8 = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), *scale, bf16x16(sz + TILE));
+}
+
+/* acc plus one activation row's integer sums over a group, dequantized (the row's block scale d and its scaled
+ * sum dsum): q4_tile and q4_tile_pair the same way, so a pair's sums are the single tile's bit for bit. */
+INLINE __m512 q4_add_group(__m512 acc, __m512i dot, __m512 scale, __m512 zero8, float d, float dsum) {
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(d)), acc);
+    return _mm512_fmadd_ps(zero8, _mm512_set1_ps(dsum), acc);
+}
+
 INLINE void q4_tile(const uint8_t *w, int64_t g, const acts *a, const int64_t *rows, int mm, int64_t K, float *y,
                     int64_t ldy, const float *bias, int valid) {
     int64_t G = K / g, gb = q4_group_bytes(g);
@@ -685,13 +699,11 @@ INLINE void q4_tile(const uint8_t *w, int64_t g, const acts *a, const int64_t *r
         if (mm <= SPLIT_MAX)
             for (int r = 0; r < mm; r++)
                 dot[r] = _mm512_add_epi32(dot[r], _mm512_srai_epi32(hid[r], 4));
-        const uint16_t *sz = (const uint16_t *)(block + g / 2 * TILE);
-        __m512 scale = bf16x16(sz), zero = bf16x16(sz + TILE);
-        __m512 zero8 = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale, zero); /* the offset's and the zero's share */
+        __m512 scale, zero8;
+        q4_scales(block, g, &scale, &zero8);
         for (int r = 0; r < mm; r++) {
             int64_t at = rows[r] * G + j;
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(scale, _mm512_set1_ps(a->d[at])), acc[r]);
-            acc[r] = _mm512_fmadd_ps(zero8, _mm512_set1_ps(a->dsum[at]), acc[r]);
+            acc[r] = q4_add_group(acc[r], dot[r], scale, zero8, a->d[at], a->dsum[at]);
         }
     }
     __mmask16 keep = (__mmask16)((1u << valid) - 1);
@@ -727,15 +739,12 @@ INLINE void q4_tile_pair(const uint8_t *wa, const uint8_t *wb, int64_t g, const 
         }
         dot_a = _mm512_add_epi32(dot_a, _mm512_srai_epi32(hid_a, 4));
         dot_b = _mm512_add_epi32(dot_b, _mm512_srai_epi32(hid_b, 4));
-        const uint16_t *sz_a = (const uint16_t *)(block_a + g / 2 * TILE), *sz_b = (const uint16_t *)(block_b + g / 2 * TILE);
-        __m512 scale_a = bf16x16(sz_a), scale_b = bf16x16(sz_b);
-        __m512 zero8_a = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale_a, bf16x16(sz_a + TILE));
-        __m512 zero8_b = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale_b, bf16x16(sz_b + TILE));
-        __m512 d = _mm512_set1_ps(a->d[row * G + j]), dsum = _mm512_set1_ps(a->dsum[row * G + j]);
-        acc_a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_a), _mm512_mul_ps(scale_a, d), acc_a);
-        acc_a = _mm512_fmadd_ps(zero8_a, dsum, acc_a);
-        acc_b = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_b), _mm512_mul_ps(scale_b, d), acc_b);
-        acc_b = _mm512_fmadd_ps(zero8_b, dsum, acc_b);
+        __m512 scale_a, zero8_a, scale_b, zero8_b;
+        q4_scales(block_a, g, &scale_a, &zero8_a);
+        q4_scales(block_b, g, &scale_b, &zero8_b);
+        float d = a->d[row * G + j], dsum = a->dsum[row * G + j];
+        acc_a = q4_add_group(acc_a, dot_a, scale_a, zero8_a, d, dsum);
+        acc_b = q4_add_group(acc_b, dot_b, scale_b, zero8_b, d, dsum);
     }
     _mm512_storeu_ps(ya, _mm512_add_ps(acc_a, bias_a ? _mm512_loadu_ps(bias_a) : _mm512_setzero_ps()));
     _mm512_storeu_ps(yb, _mm512_add_ps(acc_b, bias_b ? _mm512_loadu_ps(bias_b) : _mm512_setzero_ps()));
