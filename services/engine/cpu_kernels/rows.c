@@ -280,15 +280,27 @@ INLINE void avx512_float_dots(const char *w, int is_bf16, const acts *a, const i
 /* One activation row against fp32 weight rows n and m at once: avx512_float_dots' one-row sums for each, bit for
  * bit (the same four chains), from two streams (hs_rows_item). */
 #define HAVE_F32_PAIR 1
+/* Each stream's prefetches run ahead by the same time as the one-stream loop's at half its distance in bytes
+ * (two streams take turns). A Zen 4 guest (one process alternating builds, 1.1 GB of Qwen3-shape experts, one
+ * thread): pairs at 4 KB 7-10% slower than one stream, at 2 KB 8-10% faster, at 8 KB 13% slower. Untimed
+ * halved on Intel's cores, whose pairs gained at the one-stream distance. */
+#if defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
+#define PREFETCH_F32_PAIR_DEFAULT (PREFETCH_BYTES_F32 / 2)
+#else
+#define PREFETCH_F32_PAIR_DEFAULT PREFETCH_BYTES_F32
+#endif
+#ifndef PREFETCH_BYTES_F32_PAIR
+#define PREFETCH_BYTES_F32_PAIR PREFETCH_F32_PAIR_DEFAULT
+#endif
 INLINE void f32_row_pair(const float *wa, const float *wb, const float *x, int64_t K, float *out_a, float *out_b) {
     __m512 a[4], b[4];
     for (int c = 0; c < 4; c++)
         a[c] = b[c] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 64) {
         for (int64_t line = 0; line < 256; line += 64)
-            if (PREFETCH_BYTES_F32 > 0) {
-                _mm_prefetch((const char *)(wa + k) + PREFETCH_BYTES_F32 + line, PREFETCH_HINT_F32);
-                _mm_prefetch((const char *)(wb + k) + PREFETCH_BYTES_F32 + line, PREFETCH_HINT_F32);
+            if (PREFETCH_BYTES_F32_PAIR > 0) {
+                _mm_prefetch((const char *)(wa + k) + PREFETCH_BYTES_F32_PAIR + line, PREFETCH_HINT_F32);
+                _mm_prefetch((const char *)(wb + k) + PREFETCH_BYTES_F32_PAIR + line, PREFETCH_HINT_F32);
             }
         for (int c = 0; c < 4; c++) {
             __m512 xv = _mm512_loadu_ps(x + k + 16 * c);
@@ -1070,13 +1082,11 @@ void hs_rows_block(const hs_matrix *W, const acts *a, const int64_t *rows, int64
  * more than one. There, one process alternating builds (12 passes over 1.1 GB of Qwen3-shape experts, medians;
  * outputs bit-identical), pairs against one stream, one thread / two: fp32 +6.5% / +6.1% per expert, bf16
  * +7.7% / +8.5%, int8 +9.1% / +4.3%, int4 +5.5% / +6.5%; a layer's 8 experts in one call alike (+4-8%).
- * Untimed on AMD's AVX-512 cores, whose one-row loops were tuned to one stream: off there by default.
+ * On a Zen 4 guest (AVX-512 with VNNI and BF16; the same A/B, 8-12 passes), per expert, one thread / two:
+ * fp32 +8-10% / +0-5% (its pair prefetching half as far, above), bf16 +19% / +5%, int8 +9% / +17%, int4
+ * +7% / even; a layer's 8 experts in one call +6-14% on one thread, -1% to +6% on two.
  * -DQ4_PAIRS=, -DQ8_PAIRS=, -DBF16_PAIRS=, -DF32_PAIRS= (0 or 1) in HINTSERVE_KERNEL_FLAGS choose. */
-#if defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
-#define PAIRS_DEFAULT 0
-#else
 #define PAIRS_DEFAULT 1
-#endif
 #ifndef Q4_PAIRS
 #define Q4_PAIRS PAIRS_DEFAULT
 #endif
