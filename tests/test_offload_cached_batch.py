@@ -1,9 +1,10 @@
 """A layer's cached experts in one native call: the resident engine's call over the cache's slots.
 
 Once the cache holds every expert a step asks for, an offloaded CPU layer is exactly the resident engine's layer:
-one hs_moe call, now reading the slots, each token's experts summed in the router's order. So its decode logits
-are the resident engine's bit for bit (the per-expert path, two calls an expert, summed them in expert order and
-differed in the last bits), and the experts a layer still misses add into the batch's sum."""
+one hs_moe call, now reading the slots, each token's experts summed in the router's order. So its logits are the
+resident engine's bit for bit, prefill's too where both keep every row (the per-expert path, two calls an expert,
+summed them in expert order and differed in the last bits), and the experts a layer still misses add into the
+batch's sum."""
 
 from __future__ import annotations
 
@@ -47,6 +48,10 @@ def _logits(engine: LLMEngine, prompts: list[list[int]], monkeypatch: pytest.Mon
 def test_a_full_cache_gives_the_resident_engines_logits_bit_for_bit(demo_model_dir, dtype, monkeypatch) -> None:
     prompts = [list(range(5, 40)), list(range(100, 117))]
     resident = LLMEngine(EngineConfig(model=demo_model_dir, expert_dtype=dtype))
+    # A step observer keeps every row of a prefill's last layer, as the offloaded engine does. Pruned to each
+    # sequence's last row, that layer summed in another order, and with bf16 activations (a CPU with a bf16 dot
+    # product: a Zen 4 guest) the rounding grew to 7e-4 in the prefill's logits.
+    resident.runner.step_observers.append(lambda ctx: None)
     try:
         expected = _logits(resident, prompts, monkeypatch)
     finally:
@@ -61,12 +66,8 @@ def test_a_full_cache_gives_the_resident_engines_logits_bit_for_bit(demo_model_d
     finally:
         engine.close()
     assert got.keys() == expected.keys()
-    # Decode steps bit for bit. A prefill's last layer differs by rounding alone: the resident engine computes
-    # only each sequence's last row there (model.forward's prune), an offloaded one every row for its routing.
-    different = [key for key in expected if key[1] > 0 and not torch.equal(got[key], expected[key])]
-    assert not different, f"decode logits differ from the resident engine's at {different[:3]}"
-    for key in expected:
-        torch.testing.assert_close(got[key], expected[key], rtol=0, atol=1e-4)
+    different = [key for key in expected if not torch.equal(got[key], expected[key])]
+    assert not different, f"logits differ from the resident engine's at {different[:3]} (prefill: 0 tokens)"
 
 
 def test_left_out_experts_add_nothing_and_slots_are_read_through_matrix_of() -> None:
