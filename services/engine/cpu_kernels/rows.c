@@ -1110,8 +1110,8 @@ void hs_rows_block(const hs_matrix *W, const acts *a, const int64_t *rows, int64
  * outputs bit-identical), pairs against one stream, one thread / two: fp32 +6.5% / +6.1% per expert, bf16
  * +7.7% / +8.5%, int8 +9.1% / +4.3%, int4 +5.5% / +6.5%; a layer's 8 experts in one call alike (+4-8%).
  * On a Zen 4 guest (AVX-512 with VNNI and BF16; the same A/B, 8-12 passes), per expert, one thread / two:
- * fp32 +8-10% / +0-5% (its pair prefetching half as far, above), bf16 +19% / +5%, int8 +9% / +17%, int4
- * +7% / even; a layer's 8 experts in one call +6-14% on one thread, -1% to +6% on two.
+ * fp32 +8-13% / +0-5% (its pair prefetching half as far, above), bf16 +19-20% / +5-6%, int8 +5-9% / +15-17%,
+ * int4 +6-7% / even; a layer's 8 experts in one call +6-14% on one thread, -1% to +6% on two.
  * -DQ4_PAIRS=, -DQ8_PAIRS=, -DBF16_PAIRS=, -DF32_PAIRS= (0 or 1) in HINTSERVE_KERNEL_FLAGS choose. */
 #define PAIRS_DEFAULT 1
 #ifndef Q4_PAIRS
