@@ -52,6 +52,24 @@ def test_paged_decode_attention_matches_sdpa(q_heads: int, kv_heads: int, head_d
         torch.testing.assert_close(got[i : i + 1], want, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_paged_decode_attention_on_the_pool_is_one_threads_result(threads: int) -> None:
+    """Each (sequence, KV head) is a pool item with its own scores, so any thread count gives one thread's
+    result bit for bit, longer contexts included (an item's scratch grows on whichever thread runs it)."""
+    lengths = [3, 200, 17, 64, 900]
+    k_cache, v_cache, tables, _ = _paged_context(lengths, 4, 64, block_size=16, seed=5)
+    q = torch.randn(len(lengths), 16, 64, generator=torch.Generator().manual_seed(1))
+    before = cpu_kernels.pool_threads()
+    try:
+        cpu_kernels.set_threads(1)
+        one = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lengths), 16, 0.125)
+        assert cpu_kernels.set_threads(threads) == threads
+        many = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lengths), 16, 0.125)
+    finally:
+        cpu_kernels.set_threads(before or 1)
+    assert torch.equal(one, many)
+
+
 def test_paged_decode_attention_refuses_a_context_outside_the_cache() -> None:
     k_cache, v_cache, tables, _ = _paged_context([20], 2, 16, block_size=8, seed=0)
     q = torch.randn(1, 2, 16)

@@ -107,7 +107,7 @@ def library() -> ctypes.CDLL | None:
     lib.moe_swiglu_f32.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr]
     lib.paged_decode_attention_f32.restype = ctypes.c_int
     lib.paged_decode_attention_f32.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64,
-                                               _i64, _i64, _i64, _f32, _ptr, _ptr]
+                                               _i64, _i64, _i64, _f32, _ptr]
     lib.linear_rows_f32.restype = None
     lib.linear_rows_f32.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
     lib.expert_rows_f32.restype = None
@@ -225,15 +225,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q = q.contiguous()
     block_tables = block_tables.to(torch.int64).contiguous()  # no copies when already so (the runner's)
     context_lens = context_lens.to(torch.int64).contiguous()
-    group = q_heads // kv_heads
     out = torch.empty(batch, q_heads, head_dim)
-    floats, _ = _scratch.get(group * block_tables.shape[1] * block_size)
     status = loaded().paged_decode_attention_f32(
         q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), slots,
         block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), block_size, batch, q_heads,
-        kv_heads, head_dim, scale, out.data_ptr(), floats.data_ptr())
-    if status != 0:
+        kv_heads, head_dim, scale, out.data_ptr())
+    if status == -1:
         raise ValueError("a context length or block id is outside the KV cache")
+    if status:
+        raise MemoryError("native decode attention: out of memory for its scores")
     return out
 
 
