@@ -41,11 +41,17 @@
 #ifndef PREFETCH_HINT
 #define PREFETCH_HINT _MM_HINT_T0
 #endif
-/* The 512-bit one-row fp32 loop on AMD's AVX-512 cores (GCC 12 calls a Zen 4 znver3 with AVX-512): half the
- * distance, into L2. A Zen 4 guest's one-row fp32 expert streamed 48-64% of the read probe on one thread at
- * 8 KB into L1, 49-79% at 4 KB into L2, and 43-72% against 84-96% on two (alternating builds, three rounds;
- * the LM head alike). bf16 was mixed there (its LM head better, its expert worse on two threads): unchanged. */
+/* AMD's AVX-512 cores (GCC 12 calls a Zen 4 znver3 with AVX-512), whose loops the defaults below tune apart. */
 #if defined(__AVX512F__) && (defined(__znver3__) || defined(__znver4__) || defined(__znver5__))
+#define AMD_AVX512 1
+#else
+#define AMD_AVX512 0
+#endif
+/* The 512-bit one-row fp32 loop on AMD's AVX-512 cores: half the distance, into L2. A Zen 4 guest's one-row
+ * fp32 expert streamed 48-64% of the read probe on one thread at 8 KB into L1, 49-79% at 4 KB into L2, and
+ * 43-72% against 84-96% on two (alternating builds, three rounds; the LM head alike). bf16 was mixed there
+ * (its LM head better, its expert worse on two threads): unchanged. */
+#if AMD_AVX512
 #define PREFETCH_F32_DEFAULT 4096
 #define PREFETCH_HINT_F32_DEFAULT _MM_HINT_T1
 #else
@@ -84,7 +90,7 @@
  * (keeps its own, above). int4 came out even on one guest and, on a later one, 5-16% faster without in 8 of
  * 10 matrix x thread cases (four rounds; prefetching 8-64 KB ahead, or a group's lines at once, into L1 or
  * L2, was slower still in a standalone loop). -DSW_PREFETCH=1 there brings them back. */
-#if defined(__AVX512F__) && (defined(__znver3__) || defined(__znver4__) || defined(__znver5__))
+#if AMD_AVX512
 #define SW_PREFETCH_DEFAULT 0
 #else
 #define SW_PREFETCH_DEFAULT 1
@@ -106,7 +112,7 @@
  * builds, 14 rounds, the same tokens: +1.8% on one thread, +3.5% on two, although a layer's experts alone
  * ran 2-4% slower (1 KB ahead; 2 KB: +2.0% and -4.4%, 4 KB: -12% alone). bf16 (-11%) and int8 (-4%)
  * decoded slower that way and keep their loops. -DQ4_NTA=0 turns it off, -DQ4_NTA_BYTES= sets the distance. */
-#if defined(__AVX512F__) && (defined(__znver3__) || defined(__znver4__) || defined(__znver5__))
+#if AMD_AVX512
 #define Q4_NTA_DEFAULT 1
 #else
 #define Q4_NTA_DEFAULT 0
@@ -303,7 +309,7 @@ INLINE void avx512_float_dots(const char *w, int is_bf16, const acts *a, const i
  * (two streams take turns). A Zen 4 guest (one process alternating builds, 1.1 GB of Qwen3-shape experts, one
  * thread): pairs at 4 KB 7-10% slower than one stream, at 2 KB 8-10% faster, at 8 KB 13% slower. Untimed
  * halved on Intel's cores, whose pairs gained at the one-stream distance. */
-#if defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
+#if AMD_AVX512
 #define PREFETCH_F32_PAIR_DEFAULT (PREFETCH_BYTES_F32 / 2)
 #else
 #define PREFETCH_F32_PAIR_DEFAULT PREFETCH_BYTES_F32
