@@ -67,3 +67,14 @@ def test_the_probe_takes_the_faster_of_torchs_sum_and_the_native_read(monkeypatc
     gbs = host_kernels.bandwidth_probe(buffer, 1, repeats=2)
     assert gbs == pytest.approx(buffer.numel() * 4 / 0.5 / 1e9)  # the native read's (second) timings
     assert calls[0] == buffer.sum and calls[2] != buffer.sum
+
+
+@pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler: the kernels are off here")
+def test_moe8_groups_stream_the_whole_cycle() -> None:
+    gen = torch.Generator().manual_seed(0)
+    cycle = 9 * 2654208  # nine int4 experts: one group and a remainder that must not be dropped
+    experts, one = host_kernels.expert_copies("int4", gen, cycle, minimum=host_kernels.TOP_K,
+                                              multiple=host_kernels.TOP_K)
+    groups = host_kernels.moe_groups(experts)
+    assert len(experts) == len(groups) * host_kernels.TOP_K
+    assert len(groups) * host_kernels.TOP_K * one >= cycle

@@ -97,14 +97,17 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def _count(nbytes: int, cycle_bytes: int, minimum: int = _UNIQUE) -> int:
-    return max(minimum, -(-cycle_bytes // nbytes))
+def _count(nbytes: int, cycle_bytes: int, minimum: int = _UNIQUE, multiple: int = 1) -> int:
+    """Copies of `nbytes` to stream at least `cycle_bytes` a pass, rounded up to whole `multiple`s."""
+    count = max(minimum, -(-cycle_bytes // nbytes))
+    return -(-count // multiple) * multiple
 
 
-def expert_copies(fmt: str, gen: torch.Generator, cycle_bytes: int, minimum: int = _UNIQUE,
+def expert_copies(fmt: str, gen: torch.Generator, cycle_bytes: int, minimum: int = _UNIQUE, multiple: int = 1,
                   ) -> tuple[Sequence[object], int]:
     """Qwen3-shape experts stored as the engine stores `fmt` (expert_layout's flat buffer each), enough to
-    stream `cycle_bytes` per pass, and one expert's bytes. `_UNIQUE` are random, the rest copies of them."""
+    stream `cycle_bytes` per pass in whole `multiple`s (moe_groups' groups), and one expert's bytes. `_UNIQUE`
+    are random, the rest copies of them."""
     expert_dtype = {"fp32": "auto", "bf16": "bf16"}.get(fmt, fmt)
     layout = expert_layout(HIDDEN, EXPERT_WIDTH, expert_dtype, GROUP_SIZE, torch.float32, "cpu")
     flats = []
@@ -113,7 +116,7 @@ def expert_copies(fmt: str, gen: torch.Generator, cycle_bytes: int, minimum: int
         flats.append(torch.empty(layout.numel, dtype=layout.dtype))
         layout.pack(ExpertWeights(dense[: 2 * EXPERT_WIDTH], dense[2 * EXPERT_WIDTH :].t().contiguous()), flats[-1])
     nbytes = flats[0].numel() * flats[0].element_size()
-    flats += [flats[i % _UNIQUE].clone() for i in range(_UNIQUE, _count(nbytes, cycle_bytes, minimum))]
+    flats += [flats[i % _UNIQUE].clone() for i in range(_UNIQUE, _count(nbytes, cycle_bytes, minimum, multiple))]
     return [layout.views(flat) for flat in flats], nbytes
 
 
@@ -218,7 +221,9 @@ def run_host_kernels(json_path: str, formats: list[str], rows: list[int], thread
                     use_threads(t)  # before building: without native kernels, oneDNN packing depends on it
                     gen = torch.Generator().manual_seed(seed)
                     if kind == "moe8":
-                        experts, one = expert_copies(fmt, gen, cycle, minimum=TOP_K)
+                        # Whole groups: a remainder left out would shrink the pass below the cycle (int8's 15
+                        # experts made one group of 38 MB, read partly from a 32 MB L3 at 1.2x the probe).
+                        experts, one = expert_copies(fmt, gen, cycle, minimum=TOP_K, multiple=TOP_K)
                         # The groups are pointers into `experts`, which stays alive until the cases are done.
                         weights, nbytes, call, width = moe_groups(experts), TOP_K * one, moe_call, HIDDEN
                         if not weights:  # no native kernels here: no one-call MoE to time
