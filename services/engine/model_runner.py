@@ -113,12 +113,19 @@ class ModelRunner:
         return self._tensor(input_ids), self._tensor(positions), meta, self._tensor(last)
 
     def _prepare_decode(self, seqs: list[Sequence]):
+        """The step's token ids, positions, KV slots, context lengths and block tables as views of one tensor:
+        one host-to-device copy, not five tensors built apart (each ~15 us, run cold after the forward pass)."""
         positions, slots, tables = self._decode_lists(seqs)
-        max_blocks = max(len(t) for t in tables)
-        block_tables = self._tensor([t + [0] * (max_blocks - len(t)) for t in tables])
-        position_tensor = self._tensor(positions)
-        meta = decode_metadata(position_tensor, self._tensor(slots), block_tables, self.block_manager.block_size)
-        input_ids = self._tensor([s.last_token_id for s in seqs])
+        batch, max_blocks = len(seqs), max(len(t) for t in tables)
+        flat = [s.last_token_id for s in seqs] + positions + slots + [p + 1 for p in positions]
+        for table in tables:
+            flat += table
+            flat += [0] * (max_blocks - len(table))
+        values = self._tensor(flat)
+        input_ids, position_tensor, slot_tensor, context_lens = values[: 4 * batch].view(4, batch)
+        block_tables = values[4 * batch :].view(batch, max_blocks)
+        meta = decode_metadata(position_tensor, slot_tensor, block_tables, self.block_manager.block_size,
+                               context_lens)
         return input_ids, position_tensor, meta, None
 
     def _decode_lists(self, seqs: list[Sequence]) -> tuple[list[int], list[int], list[list[int]]]:

@@ -26,30 +26,48 @@ class AttentionMetadata:
     # Decode: one token per sequence; context gathered from the cache by whole blocks (padded to a block).
     block_tables: torch.Tensor | None = None  # [batch, max_blocks]
     block_size: int = 0
-    context_slots: torch.Tensor | None = None  # [batch, max_blocks * block_size]: the same, slot by slot (MLA)
-    context_mask: torch.Tensor | None = None  # [batch, 1, 1, max_blocks * block_size] True where attended
+    # [batch, max_blocks * block_size]: the block tables slot by slot (MLA); made on first use (gathered_slots)
+    context_slots: torch.Tensor | None = None
+    # [batch, 1, 1, max_blocks * block_size] True where attended; made on first use (attended_mask)
+    context_mask: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None  # [batch] int64: tokens each sequence attends (the new one included)
     # decode_attention's additive mask, [kv_heads * batch, 1, context]: made by the first layer, shared by all.
     decode_bias: torch.Tensor | None = None
 
+    # The native kernels read block tables and context lengths only: the two views below are made when a path
+    # that gathers the context asks (MLA, torch's decode attention), not in every step's prologue, where their
+    # five tensor ops ran cold after the forward pass (~60 us a step on the demo model).
+    def gathered_slots(self) -> torch.Tensor:
+        if self.context_slots is None:
+            assert self.block_tables is not None  # decode metadata always has them
+            batch = self.block_tables.shape[0]
+            offsets = torch.arange(self.block_size, device=self.block_tables.device)
+            self.context_slots = (self.block_tables[:, :, None] * self.block_size + offsets).view(batch, -1)
+        return self.context_slots
+
+    def attended_mask(self) -> torch.Tensor:
+        if self.context_mask is None:
+            assert self.block_tables is not None and self.context_lens is not None  # decode metadata has both
+            width = self.block_tables.shape[1] * self.block_size
+            offsets = torch.arange(width, device=self.block_tables.device)
+            self.context_mask = (offsets[None, :] < self.context_lens[:, None])[:, None, None, :]
+        return self.context_mask
+
 
 def decode_metadata(
-    positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor, block_size: int
+    positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+    context_lens: torch.Tensor | None = None,
 ) -> AttentionMetadata:
     """A decode step's layout from device tensors alone (no host reads, so a CUDA graph can capture it):
-    positions [B] of the new tokens, their KV slots [B], block tables [B, max_blocks] padded with any block."""
-    batch, max_blocks = block_tables.shape
-    offsets = torch.arange(max_blocks * block_size, device=positions.device)
-    context_slots = (block_tables[:, :, None] * block_size + offsets[:block_size]).view(batch, -1)
+    positions [B] of the new tokens, their KV slots [B], block tables [B, max_blocks] padded with any block;
+    context_lens (positions + 1) when the caller has them already."""
     return AttentionMetadata(
         is_prefill=False,
         slot_mapping=slots,
-        seq_lens=[1] * batch,
+        seq_lens=[1] * block_tables.shape[0],
         block_tables=block_tables,
         block_size=block_size,
-        context_slots=context_slots,
-        context_mask=(offsets[None, :] <= positions[:, None])[:, None, None, :],
-        context_lens=positions + 1,
+        context_lens=positions + 1 if context_lens is None else context_lens,
     )
 
 
@@ -171,8 +189,7 @@ def decode_attention(
     if meta.decode_bias is None:
         length = keys.shape[1]
         bias = torch.zeros(batch, length, dtype=q.dtype, device=q.device)
-        assert meta.context_mask is not None  # made with the block tables, for the gathered path
-        bias.masked_fill_(~meta.context_mask.view(batch, length), float("-inf"))
+        bias.masked_fill_(~meta.attended_mask().view(batch, length), float("-inf"))
         meta.decode_bias = bias.repeat(kv_heads, 1)[:, None, :]
     queries = q.view(batch, kv_heads, group, head_dim).transpose(0, 1).reshape(kv_heads * batch, group, head_dim)
     scores = torch.baddbmm(meta.decode_bias, queries, keys.transpose(1, 2), alpha=scale)

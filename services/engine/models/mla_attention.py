@@ -106,9 +106,9 @@ def _decode(
     w_uk, w_uv = kv_b[:, : mla.qk_nope_head_dim], kv_b[:, mla.qk_nope_head_dim :]
     q_latent = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
     query = torch.cat((q_latent, q_rope), dim=-1).unsqueeze(2)  # [B, H, 1, kv_lora_rank + rope]
-    context = latent_cache[meta.context_slots].unsqueeze(1)  # [B, 1, L, kv_lora_rank + rope]: one KV head
+    context = latent_cache[meta.gathered_slots()].unsqueeze(1)  # [B, 1, L, kv_lora_rank + rope]: one KV head
     values = context[..., : mla.kv_lora_rank]
     out_latent = F.scaled_dot_product_attention(
-        query, context, values, attn_mask=meta.context_mask, scale=scale, enable_gqa=True
+        query, context, values, attn_mask=meta.attended_mask(), scale=scale, enable_gqa=True
     ).squeeze(2)  # [B, H, kv_lora_rank]
     return torch.einsum("bhr,hvr->bhv", out_latent, w_uv)
