@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from services.engine import cpu_kernels
 from services.engine.config import EngineConfig
 from services.engine.cpu_kernels import formats
+from services.engine.cpu_kernels.decode_layer import NativeDecodeLayer
 from services.engine.cpu_threads import intra_op_threads
 from services.engine.llm_engine import LLMEngine
 from services.engine.models import attention, native_moe
@@ -167,6 +168,9 @@ def test_one_thread_engine_takes_both_kernels_with_the_same_greedy_text(monkeypa
 
     monkeypatch.setattr(attention.cpu_kernels, "paged_decode_attention", count("attention", attention_kernel))
     monkeypatch.setattr(native_moe.formats, "moe", count("moe", moe_kernel))
+    # A decode step's layers run whole (decode_layer.py), their attention kernel inside: counted as attention.
+    layer_call = NativeDecodeLayer.__call__
+    monkeypatch.setattr(NativeDecodeLayer, "__call__", lambda self, *args: count("attention", layer_call)(self, *args))
     _same_text_with_and_without_kernels(monkeypatch, EngineConfig(), prompts, params, calls)
 
 

@@ -155,10 +155,13 @@ def save_tokenizer(out_dir: str) -> None:
     fast.save_pretrained(out_dir)
 
 
-def build_tiny_model(family: str, out_dir: str, seed: int = 0, fused: bool = False) -> str:
-    """Saves a random tiny model of `family`; fused=True writes transformers' in-memory 3-D expert layout."""
+def build_tiny_model(family: str, out_dir: str, seed: int = 0, fused: bool = False, **overrides: object) -> str:
+    """Saves a random tiny model of `family`; fused=True writes transformers' in-memory 3-D expert layout;
+    overrides: config fields set over the family's tiny ones (e.g. widths the native kernels take)."""
     torch.manual_seed(seed)
     cfg, cls = _config(family)
+    for name, value in overrides.items():
+        setattr(cfg, name, value)
     model = cls(cfg).eval()
     # Larger router weights make routing decisive, so tiny numeric noise cannot flip top-k choices.
     with torch.no_grad():

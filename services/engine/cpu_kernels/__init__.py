@@ -1,6 +1,7 @@
 """Native CPU kernels: every weight format's matmul and a MoE layer in one call on one thread pool
-(`threadpool.c`, `matmul.c`, `rows.c`, `moe.c`; the formats and their Python side in `formats.py`), and fp32
-paged decode attention, RMSNorm and RoPE (`kernels.c`).
+(`threadpool.c`, `matmul.c`, `rows.c`, `moe.c`; the formats and their Python side in `formats.py`), fp32
+paged decode attention, RMSNorm and RoPE (`kernels.c`), and a decode step's whole layer chaining them
+(`layer.c`, `decode_layer.py`).
 
 Why: decode on a CPU is bound by reading weights, and torch's paths read them at a third of the memory's
 bandwidth (weight-only int8/int4) or paid a dozen small ops per expert and layer; `kernels.c`'s attention reads
@@ -33,7 +34,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("kernels.c", "threadpool.c", "matmul.c", "rows.c", "moe.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("kernels.c", "threadpool.c", "matmul.c", "rows.c", "moe.c",
+                                                          "layer.c")]
 HEADERS = [Path(__file__).with_name(name) for name in ("hs.h", "rows_neon.h")]
 # The second where the compiler knows no -march=native. -fno-math-errno: lrintf inline, not a libm call per element.
 _FLAG_SETS = (["-O3", "-march=native", "-fno-math-errno"], ["-O3", "-fno-math-errno"])
@@ -120,6 +122,11 @@ def library() -> ctypes.CDLL | None:
     lib.hs_moe.argtypes = [_ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr]
     lib.hs_route_softmax.restype = ctypes.c_int
     lib.hs_route_softmax.argtypes = [_ptr, _ptr, _i64, _i64, _i64, ctypes.c_int, _ptr, _ptr, _ptr]
+    lib.hs_decode_layer.restype = ctypes.c_int
+    lib.hs_decode_layer.argtypes = [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr,
+                                    _ptr, _ptr, _ptr]
+    lib.hs_decode_layer_work.restype = _i64
+    lib.hs_decode_layer_work.argtypes = [_ptr, _i64]
     lib.hs_isa.restype = ctypes.c_char_p
     lib.hs_set_threads.restype = ctypes.c_int
     lib.hs_set_threads.argtypes = [ctypes.c_int]
@@ -193,6 +200,11 @@ class _Scratch(threading.local):
 
 
 _scratch = _Scratch()
+
+
+def scratch(floats: int, ints: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """This thread's grow-only work buffers, at least `floats` fp32 and `ints` int64 (for one call's use)."""
+    return _scratch.get(floats, ints)
 
 
 def moe_swiglu(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,

@@ -50,4 +50,34 @@ void hs_rows_item(const hs_matrix *W, const acts *a, const int64_t *rows, int64_
 char *hs_scratch(int64_t bytes);
 const int64_t *hs_identity_rows(int64_t M);
 char *align64(char *p);
+
+/* The calls a decode layer chains (layer.c): matmul.c's, moe.c's and kernels.c's, each documented there. */
+int hs_linear(const hs_matrix *W, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t M);
+int hs_moe(const hs_matrix *gate_up, const hs_matrix *down, int64_t M, const int64_t *matrix_of, int64_t E,
+           const float *x, int64_t ldx, int64_t T, const int64_t *ids, const float *weights, int64_t top_k,
+           float *out);
+int hs_route_softmax(const hs_matrix *W, const float *x, int64_t ldx, int64_t T, int64_t top_k, int renorm,
+                     float *probs, float *weights, int64_t *ids);
+int rope_write_kv_f32(float *qkv, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float *cos_table,
+                      const float *sin_table, int64_t max_positions, const int64_t *positions, const int64_t *slots,
+                      float *k_cache, float *v_cache, int64_t S, const float *q_norm, const float *k_norm,
+                      float eps);
+int paged_decode_attention_f32(const float *q, int64_t q_sb, int64_t q_sh, const float *k_cache,
+                               const float *v_cache, int64_t S, const int64_t *tables, int64_t max_blocks,
+                               const int64_t *lens, int64_t block_size, int64_t B, int64_t Hq, int64_t Hkv,
+                               int64_t D, float scale, float *out);
+void rms_norm_f32(const float *a, const float *add, const float *w, float eps, float *sum, float *out, int64_t T,
+                  int64_t H);
+
+/* One decoder layer's fixed part for hs_decode_layer (layer.c), built once per layer: a softmax-routed MoE
+ * layer with standard attention (fused q/k/v projection, head-major KV caches [kv_heads, slots, head_dim]). */
+typedef struct {
+    const hs_matrix *qkv, *o, *router, *gate_up, *down; /* gate_up, down: [experts] arrays */
+    const float *post_attention_norm, *next_norm;       /* [hidden] */
+    const float *q_norm, *k_norm;                       /* [head_dim] (Qwen3), or NULL */
+    const float *cos, *sin;                             /* [max_positions, head_dim] */
+    float *k_cache, *v_cache;
+    int64_t experts, hidden, q_heads, kv_heads, head_dim, slots, max_positions, top_k, renormalize;
+    float eps, scale;
+} hs_layer;
 #endif

@@ -196,8 +196,6 @@ int hs_moe(const hs_matrix *gate_up, const hs_matrix *down, int64_t M, const int
     return 0;
 }
 
-int hs_linear(const hs_matrix *W, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t M);
-
 /* Softmax routing in one call: probs[T, E] = softmax(x @ W^T) (W: the router, any format, E rows), then each
  * row's top_k (largest first, the lower expert on a tie) into ids and weights, renormalised to sum 1 when
  * `renorm`. Why: after a layer's weight stream the five small torch ops this replaces ran cold, a tenth of a

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from services.engine import cpu_kernels
 from services.engine.cpu_kernels import formats
+from services.engine.cpu_kernels.decode_layer import NativeDecodeLayer
 from services.engine.expert_provider import ExpertProvider
 from services.engine.models.attention import (
     AttentionMetadata,
@@ -21,10 +22,11 @@ from services.engine.models.attention import (
 from services.engine.models.dense_layers import DenseLayers
 from services.engine.models.fused_moe import fused_moe_forward
 from services.engine.models.mla_attention import mla_attention
-from services.engine.models.moe import moe_forward, swiglu
+from services.engine.models.moe import moe_forward, record_routing, swiglu
+from services.engine.models.native_linear import NativeLinear
 from services.engine.models.native_moe import native_moe_forward
 from services.engine.models.packed_linear import PackedLinear
-from services.engine.models.router import route
+from services.engine.models.router import Routing, route
 from services.engine.models.spec import ModelSpec
 from services.engine.models.weights import AttentionWeights, LayerWeights, MlaWeights, NonExpertWeights
 from services.engine.step_context import StepContext
@@ -69,6 +71,9 @@ class MoECausalLM:
         # q and k rotated in one pass over their heads (nothing to clip between projection and RoPE; Qwen3's
         # per-head norms run inside the native pass)
         self.one_pass_rope = spec.mla is None and spec.qk_norm in ("none", "head") and spec.clip_qkv is None
+        # Each layer's decode step in one native call where its parts allow (cpu_kernels/decode_layer.py):
+        # built on the first decode step, once the KV caches and the experts are in place.
+        self._decode_layers: list[NativeDecodeLayer | None] | None = None
 
     def allocate_kv_cache(self, num_slots: int) -> None:
         e, layers = self.w.embed, range(self.spec.num_layers)
@@ -77,6 +82,7 @@ class MoECausalLM:
             self.latent_caches = [torch.zeros(shape, dtype=e.dtype, device=e.device) for _ in layers]
             return
         shape = (self.spec.num_kv_heads, num_slots, self.spec.head_dim)  # head-major: see write_kv
+        self._decode_layers = None  # they point into the caches
         self.k_caches = [torch.zeros(shape, dtype=e.dtype, device=e.device) for _ in layers]
         self.v_caches = [torch.zeros(shape, dtype=e.dtype, device=e.device) for _ in layers]
 
@@ -121,7 +127,17 @@ class MoECausalLM:
         rope = None if native and self.one_pass_rope else (self.cos.index_select(0, positions),
                                                            self.sin.index_select(0, positions))
         h, x = add_rms_norm(h, None, layers[0].input_norm, spec.rms_norm_eps, native)
+        # Observers watch layer by layer and a pruned prefill attends a subset: the layered path serves both.
+        whole = self._whole_decode_layers() if native and not meta.is_prefill and not ctx.layer_observers else None
         for i, layer in enumerate(layers):
+            if whole is not None and (fused := whole[i]) is not None:
+                assert meta.block_tables is not None and meta.context_lens is not None  # decode metadata's
+                out = fused(h, x, positions, meta.slot_mapping, meta.block_tables, meta.context_lens,
+                            meta.block_size)
+                ctx.layer_inputs[i] = out.residual_mid
+                record_routing(i, Routing(out.weights, out.experts, out.probs), ctx)
+                h, x = out.residual, out.normed
+                continue
             if isinstance(layer.attention, MlaWeights):
                 assert rope is not None  # MLA never rotates in one native pass (one_pass_rope)
                 attn = mla_attention(x, layer.attention, self.latent_caches[i], rope[0], rope[1], meta, spec)
@@ -136,6 +152,31 @@ class MoECausalLM:
             h, x = add_rms_norm(h, self._mlp(i, layer, x, ctx), next_norm, spec.rms_norm_eps, native)
         self.experts.end_step(ctx)
         return x if output_rows is None or prune else x.index_select(0, output_rows)
+
+    def _whole_decode_layers(self) -> list[NativeDecodeLayer | None]:
+        if self._decode_layers is None:
+            self._decode_layers = [self._whole_decode_layer(i) for i in range(self.spec.num_layers)]
+        return self._decode_layers
+
+    def _whole_decode_layer(self, i: int) -> NativeDecodeLayer | None:
+        """Layer i's decode step as one native call, where the kernels run every part of it; else None."""
+        spec, layer, layers = self.spec, self.w.layers[i], self.w.layers
+        qkv, o, router, native = self.qkv[i], self.o[i], self.native_routers[i], self.experts.native_experts(i)
+        a = layer.attention
+        if (not self.one_pass_rope or not self.k_caches or not isinstance(a, AttentionWeights)
+                or not isinstance(qkv, NativeLinear) or not isinstance(o, NativeLinear) or router is None
+                or native is None or layer.dense_mlp is not None or layer.shared_expert is not None):
+            return None
+        next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else self.w.final_norm
+        head_norms = None
+        if spec.qk_norm == "head":
+            assert a.q_norm is not None and a.k_norm is not None  # loaded whenever spec.qk_norm names them
+            head_norms = (a.q_norm, a.k_norm)
+        return NativeDecodeLayer.build(
+            qkv.matrix, o.matrix, router, native.gate_up, native.down, (layer.post_attention_norm, next_norm),
+            head_norms, (self.cos, self.sin), (self.k_caches[i], self.v_caches[i]),
+            (spec.num_heads, spec.num_kv_heads, spec.head_dim), spec.top_k, spec.norm_topk_prob,
+            spec.rms_norm_eps, self.scale)
 
     def _prunable(self, i: int) -> bool:
         """Layer i can compute a subset of its rows: standard attention, and a dense MLP or resident experts
