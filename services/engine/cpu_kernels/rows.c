@@ -502,13 +502,18 @@ INLINE void bf16_tile(const uint16_t *w, int64_t K, const uint16_t *const *x, in
  * read again from L1 or L2 for each 3 (AVX2 builds; AVX-512 ones widen bf16 in float_tile). */
 #if defined(HAVE_AVX2) && !defined(HAVE_AVX512)
 #define AVX2_TILES 1
-INLINE void avx2_tile3(const char *w, int is_bf16, int64_t K, const float *const *x, int rr, float out[NT][MT]) {
-    int64_t row_bytes = K * (is_bf16 ? 2 : 4);
+INLINE void avx2_tile3(const char *w, int is_bf16, int64_t K, const float *const *x, int rr, float out[NT][MT],
+                       int prefetch) {
+    int64_t row_bytes = K * (is_bf16 ? 2 : 4), tile_bytes = NT * row_bytes;
+    const char *ahead = w + (FLOAT_TILE_PREFETCH + tile_bytes - 1) / tile_bytes * tile_bytes;
     __m256 acc[NT][3];
     for (int i = 0; i < NT; i++)
         for (int r = 0; r < rr; r++)
             acc[i][r] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k += 8) {
+        if (FLOAT_TILE_PREFETCH && prefetch && k % (is_bf16 ? 32 : 16) == 0) /* as float_tile, once a line */
+            for (int i = 0; i < NT; i++)
+                _mm_prefetch(ahead + i * row_bytes + k * (is_bf16 ? 2 : 4), _MM_HINT_T1);
         /* The 3 activation vectors held and each weight row's loaded in turn: 12 + 3 + 1 registers (holding
          * the 4 weight vectors instead took 17, and an accumulator's store-load chain paced the loop). */
         __m256 xv[3];
@@ -530,9 +535,9 @@ INLINE void avx2_tile(const char *w, int is_bf16, int64_t K, const float *const 
         float part[NT][MT];
         int rr = mm - r0 < 3 ? mm - r0 : 3;
         switch (rr) {
-        case 1: avx2_tile3(w, is_bf16, K, x + r0, 1, part); break;
-        case 2: avx2_tile3(w, is_bf16, K, x + r0, 2, part); break;
-        default: avx2_tile3(w, is_bf16, K, x + r0, 3, part); break;
+        case 1: avx2_tile3(w, is_bf16, K, x + r0, 1, part, r0 == 0); break;
+        case 2: avx2_tile3(w, is_bf16, K, x + r0, 2, part, r0 == 0); break;
+        default: avx2_tile3(w, is_bf16, K, x + r0, 3, part, r0 == 0); break;
         }
         for (int i = 0; i < NT; i++)
             for (int r = 0; r < rr; r++)
