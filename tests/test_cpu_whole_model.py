@@ -11,7 +11,7 @@ import torch
 
 from services.engine import cpu_kernels
 from services.engine.config import EngineConfig
-from services.engine.cpu_threads import compute_line, core_threads
+from services.engine.cpu_threads import compute_line, core_threads, intra_op_threads
 from services.engine.models.attention import AttentionMetadata
 from services.engine.models.checkpoint import Checkpoint
 from services.engine.models.loader import load_model
@@ -114,3 +114,30 @@ def test_the_checkpoint_reader_reads_each_tensor_in_place_and_names_a_truncated_
     path.write_bytes(path.read_bytes()[:-4])  # the last tensor loses its last bytes
     with pytest.raises(ValueError, match="truncated"):
         Checkpoint(str(tmp_path)).get(last)
+
+
+@native
+def test_small_fp32_experts_run_native_for_few_tokens_and_prepacked_for_a_prompt(demo_model_dir: str,
+                                                                                 monkeypatch) -> None:
+    """The demo model's fp32 experts are read in place by the native kernels and also prepacked for oneDNN
+    (resident.PREFILL_PACK_MAX_BYTES): an 80-token prompt's layers take the packed copies, a short one the native
+    call, and both give the same logits up to fp32 summation order."""
+    from services.engine.models import model as model_module
+
+    calls = {"native": 0, "packed": 0}
+    for name, key in (("native_moe_forward", "native"), ("fused_moe_forward", "packed")):
+        def counted(*args, _forward=getattr(model_module, name), _key=key):
+            calls[_key] += 1
+            return _forward(*args)
+        monkeypatch.setattr(model_module, name, counted)
+    prompt = torch.arange(40, 120)
+    with intra_op_threads(1):  # as the serving core runs torch: a core left free, so oneDNN packs
+        packed_logits, model = _logits(demo_model_dir, "fp32", prompt)
+        assert model.experts.native_experts(0) is not None and model.experts.stacked_experts(0).packed
+        layers = model.spec.num_layers
+        assert calls == {"native": 0, "packed": layers}
+        _logits(demo_model_dir, "fp32", prompt[: model_module.PACKED_MIN_TOKENS - 1])
+        assert calls == {"native": layers, "packed": layers}
+        monkeypatch.setattr(model_module, "PACKED_MIN_TOKENS", 1 << 20)
+        native_logits, _ = _logits(demo_model_dir, "fp32", prompt)
+    torch.testing.assert_close(packed_logits, native_logits, rtol=1e-4, atol=1e-3)

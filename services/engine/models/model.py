@@ -31,6 +31,10 @@ from services.engine.models.spec import ModelSpec
 from services.engine.models.weights import AttentionWeights, LayerWeights, MlaWeights, NonExpertWeights
 from services.engine.step_context import StepContext
 
+# Tokens from which a layer whose experts are also prepacked for oneDNN (resident.py: PREFILL_PACK_MAX_BYTES)
+# runs them there rather than on the native kernels: a prompt's many rows per expert, not a decode step's few.
+PACKED_MIN_TOKENS = 64
+
 
 class MoECausalLM:
     def __init__(
@@ -271,7 +275,7 @@ class MoECausalLM:
         routing = route(self.spec, x, layer.router, layer.router_bias, self.native_routers[i] if usable else None)
         stacked = self.experts.stacked_experts(i)
         native = self.experts.native_experts(i)
-        if native is not None and usable:
+        if native is not None and usable and (stacked is None or not stacked.packed or x.shape[0] < PACKED_MIN_TOKENS):
             out = native_moe_forward(x, i, routing, native, ctx)
         elif stacked is not None:
             out = fused_moe_forward(x, i, routing, stacked, ctx)
