@@ -44,6 +44,7 @@ class NativeDecodeLayer:
 
     layer: _Layer
     keep: tuple[Any, ...]  # the objects whose memory `layer` points into
+    work_per_token: int  # floats of scratch a token takes (layer.c's hs_decode_layer_work, linear in tokens)
 
     @classmethod
     def build(cls, qkv: CpuMatrix, o: CpuMatrix, router: CpuMatrix, gate_up: ctypes.Array, down: ctypes.Array,
@@ -69,14 +70,15 @@ class NativeDecodeLayer:
         sizes = [len(gate_up), hidden, q_heads, kv_heads, head_dim, k_cache.shape[1], rope[0].shape[0], top_k,
                  int(renormalize)]
         layer = _Layer(*pointers, *sizes, eps, scale)
-        return cls(layer, (qkv, o, router, gate_up, down, *tensors))
+        work = cpu_kernels.loaded().hs_decode_layer_work(ctypes.byref(layer), 1)
+        return cls(layer, (qkv, o, router, gate_up, down, *tensors), work)
 
     def __call__(self, h: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> DecodeLayerOutput:
         """h: the residual stream entering the layer, x: its norm ([B, hidden] fp32 contiguous); the step's
         int64 positions, KV slots [B], block tables [B, max_blocks] and context lengths [B], contiguous."""
         layer, batch = self.layer, h.shape[0]
-        work, _ = cpu_kernels.scratch(cpu_kernels.loaded().hs_decode_layer_work(ctypes.byref(layer), batch))
+        work, _ = cpu_kernels.scratch(self.work_per_token * batch)
         out = DecodeLayerOutput(torch.empty(batch, layer.hidden), torch.empty(batch, layer.top_k),
                                 torch.empty(batch, layer.top_k, dtype=torch.int64),
                                 torch.empty(batch, layer.experts), torch.empty(batch, layer.hidden),

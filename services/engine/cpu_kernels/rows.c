@@ -431,6 +431,11 @@ INLINE void bf16_row_pair(const uint16_t *wa, const uint16_t *wb, const uint16_t
 #define FLOAT_TILE_PREFETCH 12288
 #endif
 
+/* The bytes from a tile to the one it prefetches: FLOAT_TILE_PREFETCH rounded up to whole tiles. */
+static inline int64_t tile_prefetch_ahead(int64_t tile_bytes) {
+    return (FLOAT_TILE_PREFETCH + tile_bytes - 1) / tile_bytes * tile_bytes;
+}
+
 /* Calls tile(c) with c the constant equal to mm (1..MT), so the tile's accumulators stay in registers. */
 #define TILE_SWITCH(mm, tile)                                                                                    \
     switch (mm) {                                                                                              \
@@ -445,8 +450,8 @@ INLINE void bf16_row_pair(const uint16_t *wa, const uint16_t *wb, const uint16_t
 #if defined(HAVE_AVX512)
 /* fp32 weights, or bf16 ones widened where the CPU has no bf16 dot product (is_bf16 a constant). */
 INLINE void float_tile(const char *w, int is_bf16, int64_t K, const float *const *x, int mm, float out[NT][MT]) {
-    int64_t row_bytes = K * (is_bf16 ? 2 : 4), tile_bytes = NT * row_bytes;
-    const char *ahead = w + (FLOAT_TILE_PREFETCH + tile_bytes - 1) / tile_bytes * tile_bytes;
+    int64_t row_bytes = K * (is_bf16 ? 2 : 4);
+    const char *ahead = w + tile_prefetch_ahead(NT * row_bytes);
     __m512 acc[NT][MT];
     for (int i = 0; i < NT; i++)
         for (int r = 0; r < mm; r++)
@@ -472,8 +477,7 @@ INLINE void float_tile(const char *w, int is_bf16, int64_t K, const float *const
 
 #if defined(__AVX512BF16__)
 INLINE void bf16_tile(const uint16_t *w, int64_t K, const uint16_t *const *x, int mm, float out[NT][MT]) {
-    int64_t tile = NT * K; /* weights */
-    const uint16_t *ahead = w + (FLOAT_TILE_PREFETCH / 2 + tile - 1) / tile * tile;
+    const char *ahead = (const char *)w + tile_prefetch_ahead(NT * K * 2);
     __m512 acc[NT][MT];
     for (int i = 0; i < NT; i++)
         for (int r = 0; r < mm; r++)
@@ -482,7 +486,7 @@ INLINE void bf16_tile(const uint16_t *w, int64_t K, const uint16_t *const *x, in
         __m512bh wv[NT];
         if (FLOAT_TILE_PREFETCH) /* as float_tile */
             for (int i = 0; i < NT; i++)
-                _mm_prefetch((const char *)(ahead + i * K + k), _MM_HINT_T1);
+                _mm_prefetch(ahead + (i * K + k) * 2, _MM_HINT_T1);
         for (int i = 0; i < NT; i++)
             wv[i] = (__m512bh)_mm512_loadu_si512(w + i * K + k);
         for (int r = 0; r < mm; r++) {
@@ -504,8 +508,8 @@ INLINE void bf16_tile(const uint16_t *w, int64_t K, const uint16_t *const *x, in
 #define AVX2_TILES 1
 INLINE void avx2_tile3(const char *w, int is_bf16, int64_t K, const float *const *x, int rr, float out[NT][MT],
                        int prefetch) {
-    int64_t row_bytes = K * (is_bf16 ? 2 : 4), tile_bytes = NT * row_bytes;
-    const char *ahead = w + (FLOAT_TILE_PREFETCH + tile_bytes - 1) / tile_bytes * tile_bytes;
+    int64_t row_bytes = K * (is_bf16 ? 2 : 4);
+    const char *ahead = w + tile_prefetch_ahead(NT * row_bytes);
     __m256 acc[NT][3];
     for (int i = 0; i < NT; i++)
         for (int r = 0; r < rr; r++)

@@ -38,7 +38,9 @@ def load_resident_experts(
     experts: list[list[ExpertWeights | QuantizedExpertWeights] | None] = []
     stacks: list[StackedExperts | None] = []
     natives: list[NativeExperts | None] = []
-    small = expert_bytes(spec, reader.dtype) * total_experts(spec) <= PACK_EXPERTS_MAX_BYTES
+    all_bytes = expert_bytes(spec, reader.dtype) * total_experts(spec)
+    small = all_bytes <= PACK_EXPERTS_MAX_BYTES
+    packed_for_prefill = all_bytes <= PREFILL_PACK_MAX_BYTES and should_pack(str(reader.device), torch.float32)
     for layer in tqdm(range(spec.num_layers), desc="loading experts", unit="layer", leave=False, disable=None):
         if not spec.moe_layers[layer]:
             experts.append(None)
@@ -52,11 +54,8 @@ def load_resident_experts(
         stacked = None
         native = NativeExperts.build(layer_experts) if fused and str(reader.device) == "cpu" else None
         natives.append(native)
-        packed_for_prefill = (native is not None and stackable(layer_experts)
-                              and layer_experts[0].gate_up.dtype == torch.float32
-                              and expert_bytes(spec, reader.dtype) * total_experts(spec) <= PREFILL_PACK_MAX_BYTES
-                              and should_pack(str(reader.device), torch.float32))
-        if (native is None or packed_for_prefill) and fused and stackable(layer_experts) and grouped_mm_supported(reader.device, layer_experts[0].gate_up.dtype):
+        if (fused and stackable(layer_experts) and grouped_mm_supported(reader.device, layer_experts[0].gate_up.dtype)
+                and (native is None or (packed_for_prefill and layer_experts[0].gate_up.dtype == torch.float32))):
             pack = small and should_pack(str(reader.device), layer_experts[0].gate_up.dtype)
             stacked = StackedExperts.stack(layer_experts, pack)
             layer_experts = [stacked.expert(e) for e in range(spec.num_experts)]
