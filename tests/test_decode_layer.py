@@ -55,7 +55,7 @@ def _decode_step(model: MoECausalLM, whole: bool) -> tuple[torch.Tensor, StepCon
     slots = tables[:, 0] * BLOCK + positions
     if not whole:  # the layered path: no layer runs as one call
         model._decode_layers = [None] * model.spec.num_layers
-    ctx = StepContext(Phase.DECODE, [str(b) for b in range(len(LENGTHS))], len(LENGTHS))
+    ctx = StepContext(Phase.DECODE, [str(b) for b in range(len(LENGTHS))], len(LENGTHS), keep_layer_inputs=True)
     ids = torch.randint(3, 200, (len(LENGTHS),), generator=gen)
     hidden = model.forward(ids, positions, decode_metadata(positions, slots, tables, BLOCK), ctx)
     return model.compute_logits(hidden), ctx

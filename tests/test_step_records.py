@@ -60,3 +60,28 @@ def test_runner_observers_see_each_layer_and_step(tiny_mixtral_dir: str) -> None
     layers = engine.spec.num_moe_layers
     # Mid-step: layer 1's routing is in (layers 0 and 1), later layers not yet; then the whole step.
     assert seen == [("layer", 1, 2), ("step", 0, layers), ("layer", 1, 2), ("step", 1, layers)]
+
+
+def test_a_step_holds_every_layers_input_only_for_an_observer_that_keeps_them(tiny_mixtral_dir: str) -> None:
+    """Each layer's residual stream lives for that layer only (48 of them would hold 805 MB through a
+    2048-token Qwen3-30B-A3B prefill); a trace recorder that stores them has every layer's."""
+    engine = LLMEngine(EngineConfig(model=tiny_mixtral_dir))
+    held: list[list[int]] = []
+    mid_layer: list[list[int]] = []
+    engine.runner.layer_observers[1] = [lambda layer, ctx: mid_layer.append(sorted(ctx.layer_inputs))]
+    engine.runner.step_observers.append(lambda ctx: held.append(sorted(ctx.layer_inputs)))
+    try:
+        prompt = [[5, 6, 7]]
+        greedy = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        engine.generate(prompt, greedy)
+        recorder = TraceRecorder(engine.spec.num_experts, keep_layer_inputs=True)
+        engine.runner.step_observers.append(recorder)
+        engine.generate(prompt, greedy)
+    finally:
+        engine.close()
+    last = engine.spec.num_layers - 1
+    every = list(range(engine.spec.num_layers))
+    assert held == [[last], [last], every, every]
+    assert mid_layer[:2] == [[1], [1]]  # a prefetcher reads the layer it plans at
+    inputs = next(iter(recorder.iterations.values()))[0].layer_inputs
+    assert inputs is not None and inputs.shape[:2] == (3, engine.spec.num_moe_layers)

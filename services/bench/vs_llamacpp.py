@@ -39,8 +39,7 @@ class FormatPair:
     engine: dict = field(default_factory=dict)  # EngineConfig fields
 
 
-# The one table of matching formats. Today HintServe quantizes only the routed experts (the rest stays in the
-# run dtype); when the non-expert weights get int8/int4 formats, their EngineConfig fields go in here.
+# The one table of matching formats: expert_dtype sets the routed experts', weight_dtype every other matrix's.
 FORMATS: dict[str, FormatPair] = {
     # Whole models on both sides: every matrix but the router, norms and embedding table in the format.
     "f32": FormatPair("F32", "f32", None, {"dtype": "float32"}),

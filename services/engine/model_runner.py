@@ -85,6 +85,7 @@ class ModelRunner:
             seq_lens=meta.seq_lens,
             iterations=[s.num_completion_tokens for s in seqs],
             layer_observers=self.layer_observers,
+            keep_layer_inputs=any(getattr(observe, "keep_layer_inputs", False) for observe in self.step_observers),
         )
         # A prefill's last layer may skip the rows nobody reads when nothing records the step's full routing.
         hidden = self.model.forward(input_ids, positions, meta, ctx, output_rows=last, prune=not self.step_observers)

@@ -138,7 +138,7 @@ class MoECausalLM:
                 assert meta.block_tables is not None and meta.context_lens is not None  # decode metadata's
                 out = fused(h, x, positions, meta.slot_mapping, meta.block_tables, meta.context_lens,
                             meta.block_size)
-                ctx.layer_inputs[i] = out.residual_mid
+                ctx.record_layer_input(i, out.residual_mid)
                 record_routing(i, Routing(out.weights, out.experts, out.probs), ctx)
                 h, x = out.residual, out.normed
                 continue
@@ -151,7 +151,7 @@ class MoECausalLM:
             if prune_rows is not None and i == last:
                 h = h.index_select(0, prune_rows)
             h, x = add_rms_norm(h, attn, layer.post_attention_norm, spec.rms_norm_eps, native)
-            ctx.layer_inputs[i] = h  # the residual stream entering the MoE block (speculative prefetch)
+            ctx.record_layer_input(i, h)
             next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else self.w.final_norm
             h, x = add_rms_norm(h, self._mlp(i, layer, x, ctx), next_norm, spec.rms_norm_eps, native)
         self.experts.end_step(ctx)
