@@ -75,6 +75,7 @@ def test_skip_gate_uses_the_family_router_rule(tiny_model_dirs: dict[str, str], 
     try:
         contexts = []
         engine.runner.step_observers.append(contexts.append)
+        engine.runner.keep_layer_inputs = True  # every layer's guess is checked after the step
         engine.generate(_prompts()[:2], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
         gate = next(p for p in engine.model.experts.prefetchers if isinstance(p, SpeculativePrefetcher))
         checked = 0

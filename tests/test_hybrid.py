@@ -103,6 +103,19 @@ def test_static_placements_pin_their_sets(reference) -> None:
     assert provider.stats.bytes_demand == 0
 
 
+@pytest.mark.parametrize("policy", ["ktransformers", "fiddler", "hintserve"])
+def test_a_budget_for_every_expert_holds_them_all_and_computes_as_resident(reference, policy: str) -> None:
+    """A static hot set takes the experts its trace never saw too while the budget lasts, the cache fills
+    whole when built, and nothing runs on the host or the link (test_offload_cached_batch: the resident view)."""
+    tokens, expected, provider, _ = _run(reference, policy, expert_cache_fraction=1.0, link_ratio=30.0)
+    assert tokens == expected
+    experts = {(layer, e) for layer in range(provider.stats.num_layers) for e in range(len(provider._matrix_of))}
+    assert {slot.key for slot in provider.cache.slots} == experts
+    assert provider.resident.holding == (provider.cache.native is not None)  # the tiny widths are not native
+    assert provider.stats.host_experts == 0 and provider.stats.bytes_demand == provider.stats.bytes_prefetch == 0
+    assert sum(provider.stats.misses) == 0 and sum(provider.stats.hits) > 0
+
+
 def test_fiddler_rule_fetches_when_the_host_is_slow(reference) -> None:
     tokens, expected, provider, _ = _run(reference, "fiddler", expert_cache_fraction=0.25, link_ratio=2.0,
                                          host_ratio=1000.0)

@@ -149,6 +149,7 @@ def test_policy_prefetch_distance_and_skip_gate_confidence(reference) -> None:
         assert next(p for p in overridden.model.experts.prefetchers).distance == 3
         contexts = []
         engine.runner.step_observers.append(contexts.append)
+        engine.runner.keep_layer_inputs = True  # the planning below reads layer 0's input
         engine.generate(_prompts()[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
         ctx, layer = contexts[-1], 0
         assert gate.plan(layer, ctx), "an unfiltered skip-gate always guesses"

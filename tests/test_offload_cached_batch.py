@@ -17,6 +17,7 @@ from services.engine import cpu_kernels, model_runner
 from services.engine.config import EngineConfig
 from services.engine.cpu_kernels import formats
 from services.engine.llm_engine import LLMEngine
+from services.engine.offload.resident_view import ResidentView
 from services.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="native CPU kernels not built")
@@ -44,8 +45,12 @@ def _logits(engine: LLMEngine, prompts: list[list[int]], monkeypatch: pytest.Mon
     return seen
 
 
+@pytest.mark.parametrize("view", [True, False], ids=["resident-view", "cached-batch"])
 @pytest.mark.parametrize("dtype", ["bf16", "int4"])
-def test_a_full_cache_gives_the_resident_engines_logits_bit_for_bit(demo_model_dir, dtype, monkeypatch) -> None:
+def test_a_full_cache_gives_the_resident_engines_logits_bit_for_bit(demo_model_dir, dtype, view, monkeypatch) -> None:
+    """A cache with a slot for every expert is filled when built, so nothing misses. Through the resident view
+    (offload/resident_view.py) the model decodes each layer in one native call over the slots; without it,
+    each layer's hits go through the provider in one hs_moe call: the same logits either way, the same hits."""
     prompts = [list(range(5, 40)), list(range(100, 117))]
     resident = LLMEngine(EngineConfig(model=demo_model_dir, expert_dtype=dtype))
     # A step observer keeps every row of a prefill's last layer, as the offloaded engine does. Pruned to each
@@ -56,18 +61,58 @@ def test_a_full_cache_gives_the_resident_engines_logits_bit_for_bit(demo_model_d
         expected = _logits(resident, prompts, monkeypatch)
     finally:
         resident.close()
+    if not view:
+        monkeypatch.setattr(ResidentView, "refresh", lambda self: None)
     engine = LLMEngine(EngineConfig(model=demo_model_dir, expert_dtype=dtype, offload_policy="lru",
                                     expert_cache_fraction=1.0, link_ratio=30.0))
+    engine.runner.step_observers.append(lambda ctx: None)  # the view would prune as the resident engine does
     try:
-        _logits(engine, prompts, monkeypatch)  # fills the cache: every expert these prompts route to
+        experts = engine.model.experts
+        assert experts.cache.num_occupied == experts.cache.num_slots  # preloaded, before any request
         got = _logits(engine, prompts, monkeypatch)
-        assert sum(engine.model.experts.stats.misses) > 0  # the first run's, which filled the cache
-        assert all(slot.pins == 0 for slot in engine.model.experts.cache.slots)
+        assert sum(experts.stats.misses) == 0 and sum(experts.stats.hits) > 0
+        assert experts.resident.holding == view
+        assert all(slot.pins == 0 for slot in experts.cache.slots)
+        HITS[(dtype, view)] = list(experts.stats.hits)
     finally:
         engine.close()
     assert got.keys() == expected.keys()
     different = [key for key in expected if not torch.equal(got[key], expected[key])]
-    assert not different, f"logits differ from the resident engine's at {different[:3]} (prefill: 0 tokens)"
+    worst = max((float((got[k] - expected[k]).abs().max()) for k in different), default=0.0)
+    assert not different, f"logits differ from the resident engine's at {different[:3]} (prefill: 0 tokens) by {worst}"
+    if (dtype, not view) in HITS:  # the view counts each layer's distinct experts, as the provider's lookups
+        assert HITS[(dtype, view)] == HITS[(dtype, not view)]
+
+
+HITS: dict[tuple[str, bool], list[int]] = {}
+
+
+def test_the_resident_view_lapses_when_a_slot_is_reassigned(demo_model_dir, monkeypatch) -> None:
+    """Freeing one slot ends the view at once: the model rebuilds its decode layers without it, the provider
+    fetches the expert again on its next use, and the tokens stay the resident engine's."""
+    prompts = [list(range(5, 40))]
+    engine = LLMEngine(EngineConfig(model=demo_model_dir, expert_dtype="int4", offload_policy="lru",
+                                    expert_cache_fraction=1.0, link_ratio=30.0))
+    engine.runner.step_observers.append(lambda ctx: None)  # every prefill row, with and without the view
+    try:
+        experts = engine.model.experts
+        first = _logits(engine, prompts, monkeypatch)
+        assert experts.resident.holding and any(layer is not None for layer in engine.model._decode_layers or [])
+        epoch = experts.native_epoch
+        routed = [int(e) for e in torch.nonzero(torch.tensor(experts.stats.hits)).flatten()]
+        layer = routed[0]
+        for expert in range(engine.spec.num_experts):
+            slot = experts.cache.lookup((layer, expert))
+            assert slot is not None
+            experts.cache.release(slot)
+        assert experts.native_experts(layer) is None and experts.native_epoch != epoch
+        again = _logits(engine, prompts, monkeypatch)
+        assert sum(experts.stats.misses) > 0  # the freed layer's experts came back over the link
+        # Every expert cached again by a step's end: the view is back, and the decode layers rebuilt on it.
+        assert experts.resident.holding and experts.native_epoch == epoch + 2
+    finally:
+        engine.close()
+    assert all(torch.equal(first[key], again[key]) for key in first)
 
 
 def test_left_out_experts_add_nothing_and_slots_are_read_through_matrix_of() -> None:

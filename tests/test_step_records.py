@@ -64,7 +64,7 @@ def test_runner_observers_see_each_layer_and_step(tiny_mixtral_dir: str) -> None
 
 def test_a_step_holds_every_layers_input_only_for_an_observer_that_keeps_them(tiny_mixtral_dir: str) -> None:
     """Each layer's residual stream lives for that layer only (48 of them would hold 805 MB through a
-    2048-token Qwen3-30B-A3B prefill); a trace recorder that stores them has every layer's."""
+    2048-token Qwen3-30B-A3B prefill); a runner told to keep them (trace recording) holds every layer's."""
     engine = LLMEngine(EngineConfig(model=tiny_mixtral_dir))
     held: list[list[int]] = []
     mid_layer: list[list[int]] = []
@@ -76,6 +76,7 @@ def test_a_step_holds_every_layers_input_only_for_an_observer_that_keeps_them(ti
         engine.generate(prompt, greedy)
         recorder = TraceRecorder(engine.spec.num_experts, keep_layer_inputs=True)
         engine.runner.step_observers.append(recorder)
+        engine.runner.keep_layer_inputs = True
         engine.generate(prompt, greedy)
     finally:
         engine.close()

@@ -135,6 +135,11 @@ class ExpertProvider(ABC):
         """The layer's experts for the one-call native MoE (resident, on the CPU, kernels built); else None."""
         return None
 
+    @property
+    def native_epoch(self) -> int:
+        """Changes whenever native_experts' answers may have (what the model built from them is rebuilt)."""
+        return 0
+
     def engine_stats(self) -> dict[str, float]:
         """Counters for the engine's Stats RPC (offload hits, bytes moved, ...)."""
         return {}

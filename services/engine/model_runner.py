@@ -38,6 +38,7 @@ class ModelRunner:
         # mid-step, right after that layer's routing (the predictor link's partial contexts).
         self.step_observers: list[Callable[[StepContext], None]] = []
         self.layer_observers: dict[int, list[Callable[[int, StepContext], None]]] = {}
+        self.keep_layer_inputs = False  # every layer's input stays in the step context (trace recording)
         model.allocate_kv_cache((block_manager.num_blocks + cuda_graphs) * block_manager.block_size)
         self.graphs: DecodeGraphs | None = None
         self._graph_scratch = cuda_graphs
@@ -85,7 +86,7 @@ class ModelRunner:
             seq_lens=meta.seq_lens,
             iterations=[s.num_completion_tokens for s in seqs],
             layer_observers=self.layer_observers,
-            keep_layer_inputs=any(getattr(observe, "keep_layer_inputs", False) for observe in self.step_observers),
+            keep_layer_inputs=self.keep_layer_inputs,
         )
         # A prefill's last layer may skip the rows nobody reads when nothing records the step's full routing.
         hidden = self.model.forward(input_ids, positions, meta, ctx, output_rows=last, prune=not self.step_observers)

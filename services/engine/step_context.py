@@ -28,7 +28,7 @@ class StepContext:
     # The current layer's input only, unless keep_layer_inputs: every layer's would hold num_layers x tokens x
     # hidden floats through a prefill (805 MB for a 2048-token step at Qwen3-30B-A3B's 48 layers).
     layer_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
-    keep_layer_inputs: bool = False  # a step observer reads every layer's (TraceRecorder.keep_layer_inputs)
+    keep_layer_inputs: bool = False  # a step observer reads every layer's (ModelRunner.keep_layer_inputs)
     selected_experts: dict[int, torch.Tensor] = field(default_factory=dict)
     # layer -> observers told right after that layer's routing is in (ModelRunner.layer_observers).
     layer_observers: dict[int, list[Callable[[int, StepContext], None]]] = field(default_factory=dict)

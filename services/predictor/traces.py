@@ -137,6 +137,7 @@ def collect_traces(model: str, prompts: list[str], max_tokens: int = 32, batch: 
     try:
         recorder = TraceRecorder(engine.spec.num_experts, layer_inputs)
         engine.runner.step_observers.append(recorder)
+        engine.runner.keep_layer_inputs = layer_inputs
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         ids = [f"req-{i:04d}" for i in range(len(prompts))]
         for rid, prompt in zip(ids, prompts):

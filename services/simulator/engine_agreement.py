@@ -77,6 +77,7 @@ def compare_with_engine(
         recorder = TraceRecorder(reference.spec.num_experts, keep_layer_inputs=True)
         steps = RoutingTrace(reference.spec.num_layers)
         reference.runner.step_observers += [recorder, steps]
+        reference.runner.keep_layer_inputs = True
         _, _, resident_tpot, _ = run_engine_requests(reference, ids, params)
         espec = reference.spec
         expert_s = emulation_unit(

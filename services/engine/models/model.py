@@ -78,6 +78,7 @@ class MoECausalLM:
         # Each layer's decode step in one native call where its parts allow (cpu_kernels/decode_layer.py):
         # built on the first decode step, once the KV caches and the experts are in place.
         self._decode_layers: list[NativeDecodeLayer | None] | None = None
+        self._decode_epoch = 0  # the experts' native_epoch the decode layers were built at
 
     def allocate_kv_cache(self, num_slots: int) -> None:
         e, layers = self.w.embed, range(self.spec.num_layers)
@@ -158,8 +159,10 @@ class MoECausalLM:
         return x if output_rows is None or prune else x.index_select(0, output_rows)
 
     def _whole_decode_layers(self) -> list[NativeDecodeLayer | None]:
-        if self._decode_layers is None:
+        epoch = self.experts.native_epoch
+        if self._decode_layers is None or epoch != self._decode_epoch:
             self._decode_layers = [self._whole_decode_layer(i) for i in range(self.spec.num_layers)]
+            self._decode_epoch = epoch
         return self._decode_layers
 
     def _whole_decode_layer(self, i: int) -> NativeDecodeLayer | None:

@@ -86,12 +86,16 @@ def assemble_provider(
     prefetchers = make_prefetchers(settings, geometry, stats, parts.router_model)
     transfers = parts.make_transfers(stats)  # last: the engine's starts its worker thread
     if not is_hybrid(policy):
-        return OffloadedExpertProvider(store, cache, transfers, prefetchers, policy.rules, stats,
-                                       stream_slots=geometry.top_k, fence=parts.fence)
+        provider = OffloadedExpertProvider(store, cache, transfers, prefetchers, policy.rules, stats,
+                                           stream_slots=geometry.top_k, fence=parts.fence)
+        provider.resident.preload(store.buffers)
+        return provider
     assert parts.costs is not None and parts.make_host is not None  # checked above
-    return HybridExpertProvider(
+    provider = HybridExpertProvider(
         store, cache, transfers, prefetchers, policy.rules, stats, stream_slots=geometry.top_k, fence=parts.fence,
         executor=parts.make_host(stats, transfers), placement=make_placement(policy, parts.costs, split),
         pinned=pinned, prefetch_floor=policy.prefetch_floor, prefetch_depth=policy.prefetch_depth,
         split_staging=staging, clock=parts.clock,
     )
+    provider.resident.preload(store.buffers)  # after the pinned experts took their slots
+    return provider

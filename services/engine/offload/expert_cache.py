@@ -52,6 +52,7 @@ class ExpertCache:
         self._free = list(range(num_slots - 1, -1, -1))
         self._native: NativeExperts | None = None
         self._native_built = False
+        self.changes = 0  # slots (re)assigned or freed so far: what a view of the slots checks it is current with
 
     @property
     def native(self) -> NativeExperts | None:
@@ -123,6 +124,7 @@ class ExpertCache:
             evicted = Slot(slot.index, victim_key, prefetched=slot.prefetched)
             self.eviction.on_evict(victim_key)
         self._reset(slot, key)
+        self.changes += 1
         self._slot_of[key] = slot
         self.eviction.on_insert(key)
         return slot, evicted
@@ -133,6 +135,7 @@ class ExpertCache:
             del self._slot_of[slot.key]
             self.eviction.on_evict(slot.key)
         self._reset(slot, None)
+        self.changes += 1
         self._free.append(slot.index)
 
     @staticmethod

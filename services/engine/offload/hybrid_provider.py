@@ -110,6 +110,7 @@ class HybridExpertProvider(OffloadedExpertProvider):
             self._clean_steps = 0 if self._step_missed else self._clean_steps + 1
             self._step_missed = False
             if self.quiet:
+                self._close_step(ctx)
                 self.stats.quiet_steps += 1
                 self.stats.slots_occupied = self.cache.num_occupied
                 return  # the hot set and the guesses' trackers keep their state until misses return

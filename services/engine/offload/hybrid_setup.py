@@ -35,13 +35,22 @@ def _hot(policy: OffloadPolicy, geometry: ExpertGeometry, slots: int, trace: Rou
     if trace is None:
         raise ValueError(f"policy {policy.name!r} pins the most used experts: pass --routing-trace FILE")
     size = slots - (geometry.top_k if policy.placement == "cost" else 0)
-    return sorted(trace.hot_set(size))
+    hot = trace.hot_set(size)
+    # A budget past the experts the trace saw takes the unseen ones too: a free slot saves nothing.
+    unseen = (key for layer, is_moe in enumerate(geometry.moe_layers) if is_moe
+              for key in ((layer, e) for e in range(geometry.num_experts)) if key not in hot)
+    for key in unseen:
+        if len(hot) >= size:
+            break
+        hot.add(key)
+    return sorted(hot)
 
 
 # A policy's `pinned` names one: the experts on the device for good. nothing: none (llama.cpp -ot exps=CPU).
 # late-layers: whole MoE layers from the last one back, as many as the budget holds (llama.cpp --n-cpu-moe N
 # keeps the first N layers' experts on the CPU). hot: the most used experts of a recorded run (KTransformers,
-# Fiddler); a policy that also fetches leaves top-k slots free for its fetches.
+# Fiddler), then unseen ones while the budget lasts; a policy that also fetches leaves top-k slots free for its
+# fetches.
 PINNED_SETS: dict[str, Callable[[OffloadPolicy, ExpertGeometry, int, RoutingTrace | None], list[Key]]] = {
     "": _nothing,
     "nothing": _nothing,

@@ -11,11 +11,13 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.expert_provider import CachedBatch, ExpertProvider, LayerPlan, StoredWeights
+from services.engine.models.native_moe import NativeExperts
 from services.engine.offload.eviction.base import EvictionPolicy
 from services.engine.offload.expert_cache import ExpertCache, Slot
 from services.engine.offload.host_store import ExpertStore, Key
 from services.engine.offload.link import ReadyEvent
 from services.engine.offload.prefetch.base import Prefetcher, PrefetchRequest
+from services.engine.offload.resident_view import ResidentView
 from services.engine.offload.stats import OffloadStats
 from services.engine.offload.transfer_engine import Transfer, TransferEngine
 from services.engine.step_context import StepContext
@@ -68,12 +70,16 @@ class OffloadedExpertProvider(ExpertProvider):
         self._prefetches: list[tuple[Transfer, Slot]] = []  # unused prefetches whose target is ahead
         # Only FineMoE's eviction reads router probabilities; skip the per-layer mean for the others.
         self._wants_router_probs = type(cache.eviction).on_layer_routed is not EvictionPolicy.on_layer_routed
+        # Once the cache holds every expert (and keeps what it holds), the model computes as if resident.
+        self.resident = ResidentView(cache, store.buffers.keys() if rules.keep_cache else (), stats.num_layers)
+        self._seen_layers: set[int] = set()  # layers of this step that came through begin_layer
 
     # ---- the ExpertProvider protocol ----
     def begin_layer(
         self, layer: int, experts: list[int], ctx: StepContext, tokens: list[int] | None = None
     ) -> LayerPlan:
         self._layer, self._ctx = layer, ctx
+        self._seen_layers.add(layer)
         self._expire_prefetches(ctx, layer)
         eviction = self.cache.eviction
         probs = ctx.router_probs.get(layer)
@@ -174,11 +180,29 @@ class OffloadedExpertProvider(ExpertProvider):
             slot.pins = max(0, slot.pins - 1)
         self._pinned.clear()
 
+    def native_experts(self, layer: int) -> NativeExperts | None:
+        return self.resident.experts(layer)
+
+    @property
+    def native_epoch(self) -> int:
+        return self.resident.epoch
+
     def end_step(self, ctx: StepContext) -> None:
+        if self._close_step(ctx):
+            return  # every expert cached: no eviction or guess has anything left to learn for
         self.cache.eviction.on_step_end(ctx)
         for prefetcher in self.prefetchers:
             prefetcher.on_step_end(ctx)
         self.stats.slots_occupied = self.cache.num_occupied
+
+    def _close_step(self, ctx: StepContext) -> bool:
+        """Counts the hits of the layers computed through the resident view and refreshes it; whether the
+        whole step ran through it."""
+        through_view = not self._seen_layers and self.resident.holding
+        self.resident.count_hits(ctx, self._seen_layers, self.stats)
+        self._seen_layers.clear()
+        self.resident.refresh()
+        return through_view
 
     def engine_stats(self) -> dict[str, float]:
         return self.stats.as_engine_stats()
