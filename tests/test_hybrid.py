@@ -345,8 +345,8 @@ def test_no_staging_where_no_decode_miss_would_split() -> None:
 
 def test_a_split_is_staged_only_where_it_saves_more_than_the_slots_it_takes() -> None:
     """The staging's slot against the splits: on one DRAM that the host's math fills alone (the emulated host) a
-    split gains little, and a small cache's slot is worth more holding an expert; with memories of their own,
-    or a budget holding every expert anyway, the splits win."""
+    split gains little, and a small cache's slot is worth more holding an expert; with memories of their own
+    the splits win, until the budget holds every expert and nothing misses."""
     from services.engine.offload.split_experts import split_pays, split_prices
 
     third = split_prices((200, 100), dense=True)
@@ -361,9 +361,10 @@ def test_a_split_is_staged_only_where_it_saves_more_than_the_slots_it_takes() ->
         assert split_pays(third, one_dram, batch, 2, 8)  # some miss would split...
         for slots in (4, 12, 24):  # ...but not enough to pay for a slot of 10-50% of 48 experts
             assert not split_pays(third, one_dram, batch, 2, 8, moe_layers=6, slots=slots)
-    assert split_pays(third, one_dram, 16, 2, 8, moe_layers=6, slots=60)  # room to spare: the slot holds nothing
-    for slots in (4, 12, 60):  # a one-token miss splits on memories of their own, and saves more than a slot
+    for slots in (4, 12, 47):  # a one-token miss splits on memories of their own, and saves more than a slot
         assert split_pays(third, costs(float("inf")), 1, 2, 8, moe_layers=6, slots=slots)
+    for slots in (48, 60):  # a budget for every expert never misses: nothing to split, however cheap
+        assert not split_pays(third, costs(float("inf")), 1, 2, 8, moe_layers=6, slots=slots)
 
 
 @pytest.mark.usefixtures("separate_memories")

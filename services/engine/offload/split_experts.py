@@ -43,8 +43,8 @@ def split_pays(
     draws the whole DRAM, so a split gains only where a few tokens make the host compute-bound, while a slot
     saves a miss in every step that routes to its expert (demo model, bf16, batch 4 and 16, 10-50% cache: 2-7%
     faster without the staging in 8 of 9 cells). Prefill is not counted: one step a request."""
-    if split is None:
-        return False
+    if split is None or (slots is not None and slots >= moe_layers * num_experts):
+        return False  # a budget for every expert misses nothing, so it has nothing to split
     placement = CostPlacement(costs, stream_prefill=False, split=split)
     decode = StepContext(Phase.DECODE, [], 0)
     splits = any(
