@@ -16,11 +16,11 @@ HOST_MEMORY_EFFICIENCY = 0.75
 HOST_FLOP_EFFICIENCY = 0.5
 # The engine's host path per MoE layer with host work: its jobs handed to the workers in one go, gathered and
 # merged, at one token: what `hintserve bench offload` measures (offload/host_path.py; the saved figure is
-# bench/results/offload_grid_one_dram.json's host_path: 5.5 us in the saved run on a quiet 2-vCPU Xeon guest,
-# measured in interleaved rounds; 7.7 us there the run before, measured one phase after the other, 27 us in a
-# Zen 4 guest's and 32 us on a shared two-core machine under other load; a test holds this to the saved figure
-# within a factor of 1.5). Paid on the compute side.
-HOST_PATH_S = 5.5e-6
+# bench/results/offload_grid_one_dram.json's host_path: 3.6 us in the saved run on a quiet 2-vCPU Zen 4 guest,
+# 1.4 us in a run on the same code an hour before it, 5.5 us on a Xeon guest, 27 us in an earlier Zen 4 guest's
+# and 32 us on a shared two-core machine under other load; a test holds this to the saved figure within a
+# factor of 1.5). Paid on the compute side.
+HOST_PATH_S = 3.6e-6
 
 
 @dataclass(frozen=True)
