@@ -71,6 +71,7 @@ def test_a_full_cache_gives_the_resident_engines_logits_bit_for_bit(demo_model_d
         assert experts.cache.num_occupied == experts.cache.num_slots  # preloaded, before any request
         got = _logits(engine, prompts, monkeypatch)
         assert sum(experts.stats.misses) == 0 and sum(experts.stats.hits) > 0
+        assert experts.stats.slots_occupied == experts.cache.num_slots  # the engine stats' gauge, either way
         assert experts.resident.holding == view
         assert all(slot.pins == 0 for slot in experts.cache.slots)
         HITS[(dtype, view)] = list(experts.stats.hits)

@@ -188,12 +188,12 @@ class OffloadedExpertProvider(ExpertProvider):
         return self.resident.epoch
 
     def end_step(self, ctx: StepContext) -> None:
+        self.stats.slots_occupied = self.cache.num_occupied
         if self._close_step(ctx):
             return  # every expert cached: no eviction or guess has anything left to learn for
         self.cache.eviction.on_step_end(ctx)
         for prefetcher in self.prefetchers:
             prefetcher.on_step_end(ctx)
-        self.stats.slots_occupied = self.cache.num_occupied
 
     def _close_step(self, ctx: StepContext) -> bool:
         """Counts the hits of the layers computed through the resident view and refreshes it; whether the
