@@ -106,7 +106,7 @@ def test_the_resident_view_lapses_when_a_slot_is_reassigned(demo_model_dir, monk
             slot = experts.cache.lookup((layer, expert))
             assert slot is not None
             experts.cache.release(slot)
-        assert experts.native_experts(layer) is None and experts.native_epoch != epoch
+        assert experts.native_epoch != epoch and experts.native_experts(layer) is None  # the model's order
         again = _logits(engine, prompts, monkeypatch)
         assert sum(experts.stats.misses) > 0  # the freed layer's experts came back over the link
         # Every expert cached again by a step's end: the view is back, and the decode layers rebuilt on it.

@@ -11,7 +11,7 @@ from services.engine.expert_provider import StoredWeights
 from services.engine.models.native_moe import NativeExperts
 from services.engine.offload.eviction.base import EvictionPolicy
 from services.engine.offload.host_store import Key
-from services.engine.offload.link import ReadyEvent
+from services.engine.offload.link import Landed, ReadyEvent
 from services.engine.quant.layout import StoredLayout
 from services.engine.step_context import StepContext
 
@@ -128,6 +128,15 @@ class ExpertCache:
         self._slot_of[key] = slot
         self.eviction.on_insert(key)
         return slot, evicted
+
+    def fill_now(self, key: Key, source: torch.Tensor) -> Slot | None:
+        """A free (or evictable) slot for `key`, filled from `source` in place and ready at once: start-up
+        copies, which take no link; None when no slot can be had."""
+        slot, _ = self.acquire(key, None, -1, include_protected=True)
+        if slot is not None:
+            self.flat(slot).copy_(source)
+            slot.event = Landed()
+        return slot
 
     def release(self, slot: Slot) -> None:
         """Frees the slot entirely (cancelled transfer, or a policy that does not cache)."""

@@ -15,7 +15,7 @@ from services.engine.offload.cost_model import PlacementCosts
 from services.engine.offload.expert_cache import ExpertCache, Slot
 from services.engine.offload.guess_ledger import GuessLedger
 from services.engine.offload.host_store import ExpertStore, Key
-from services.engine.offload.link import EmulatedLink, Landed
+from services.engine.offload.link import EmulatedLink
 from services.engine.offload.placement import Placement
 from services.engine.offload.prefetch.base import Prefetcher, PrefetchRequest
 from services.engine.offload.prefetch_gate import PrefetchGate
@@ -112,7 +112,6 @@ class HybridExpertProvider(OffloadedExpertProvider):
             if self.quiet:
                 self._close_step(ctx)
                 self.stats.quiet_steps += 1
-                self.stats.slots_occupied = self.cache.num_occupied
                 return  # the hot set and the guesses' trackers keep their state until misses return
         if self.gate is not None and not ctx.is_prefill:
             # Slots beside the hot set: the link's prefetches while the gate asks for any, and the slots this
@@ -318,9 +317,7 @@ class HybridExpertProvider(OffloadedExpertProvider):
         self.executor.shutdown()
 
     def _pin_for_good(self, key: Key) -> None:
-        slot, _ = self.cache.acquire(key, None, -1, include_protected=True)
+        slot = self.cache.fill_now(key, self.store.buffers[key])
         if slot is None:
             raise ValueError(f"{len(self.cache.slots)} expert slots cannot pin expert {key}")
-        self.cache.flat(slot).copy_(self.store.buffers[key])
-        slot.event = Landed()
         slot.pins = 1  # never released: not in the per-layer pin list

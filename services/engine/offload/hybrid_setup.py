@@ -37,12 +37,9 @@ def _hot(policy: OffloadPolicy, geometry: ExpertGeometry, slots: int, trace: Rou
     size = slots - (geometry.top_k if policy.placement == "cost" else 0)
     hot = trace.hot_set(size)
     # A budget past the experts the trace saw takes the unseen ones too: a free slot saves nothing.
-    unseen = (key for layer, is_moe in enumerate(geometry.moe_layers) if is_moe
-              for key in ((layer, e) for e in range(geometry.num_experts)) if key not in hot)
-    for key in unseen:
-        if len(hot) >= size:
-            break
-        hot.add(key)
+    unseen = [(layer, e) for layer, is_moe in enumerate(geometry.moe_layers) if is_moe
+              for e in range(geometry.num_experts) if (layer, e) not in hot]
+    hot.update(unseen[: max(0, size - len(hot))])
     return sorted(hot)
 
 

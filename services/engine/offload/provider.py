@@ -188,7 +188,6 @@ class OffloadedExpertProvider(ExpertProvider):
         return self.resident.epoch
 
     def end_step(self, ctx: StepContext) -> None:
-        self.stats.slots_occupied = self.cache.num_occupied
         if self._close_step(ctx):
             return  # every expert cached: no eviction or guess has anything left to learn for
         self.cache.eviction.on_step_end(ctx)
@@ -196,8 +195,9 @@ class OffloadedExpertProvider(ExpertProvider):
             prefetcher.on_step_end(ctx)
 
     def _close_step(self, ctx: StepContext) -> bool:
-        """Counts the hits of the layers computed through the resident view and refreshes it; whether the
-        whole step ran through it."""
+        """Every step's end: the slots gauge, the hits of the layers computed through the resident view, and
+        the view's refresh; whether the whole step ran through it."""
+        self.stats.slots_occupied = self.cache.num_occupied
         through_view = not self._seen_layers and self.resident.holding
         self.resident.count_hits(ctx, self._seen_layers, self.stats)
         self._seen_layers.clear()

@@ -21,7 +21,6 @@ import torch
 from services.engine.models.native_moe import NativeExperts
 from services.engine.offload.expert_cache import ExpertCache
 from services.engine.offload.host_store import Key
-from services.engine.offload.link import Landed
 from services.engine.offload.stats import OffloadStats
 from services.engine.step_context import StepContext
 
@@ -37,30 +36,28 @@ class ResidentView:
         self._width = 1 + max((expert for _, expert in self._all_keys()), default=-1)
         self._layers: list[NativeExperts | None] | None = None
         self._built_at = -1  # cache.changes when the view was built
-        self.epoch = 0  # bumped whenever the view starts or lapses (what the model's own builds follow)
+        self._epoch = 0  # bumped whenever the view starts or lapses
+
+    @property
+    def epoch(self) -> int:
+        """What the model's own builds from the view follow: read before any of them, so it checks first."""
+        self._current()
+        return self._epoch
 
     @property
     def holding(self) -> bool:
-        return self._layers is not None and self.cache.changes == self._built_at
+        return self._current() is not None
 
     def experts(self, layer: int) -> NativeExperts | None:
         """Layer's experts in id order, read in place from their slots; None while the view does not hold."""
-        if self._layers is None:
-            return None
-        if self.cache.changes != self._built_at:
-            self._lapse()
-            return None
-        return self._layers[layer]
+        layers = self._current()
+        return None if layers is None else layers[layer]
 
     def refresh(self) -> None:
         """At a step's end: starts the view once every expert sits ready in the cache (and its slots can be
-        read natively), or lets it lapse if a slot has changed since."""
+        read natively)."""
         cache = self.cache
-        if self._layers is not None:
-            if cache.changes != self._built_at:
-                self._lapse()
-            return
-        if self._total == 0 or cache.num_occupied < self._total or cache.native is None:
+        if self._current() is not None or self._total == 0 or cache.num_occupied < self._total or cache.native is None:
             return
         layers: list[NativeExperts | None] = [None] * self.num_layers
         for layer, keys in self._keys.items():
@@ -71,7 +68,7 @@ class ResidentView:
             if layers[layer] is None:
                 return
         self._layers, self._built_at = layers, cache.changes
-        self.epoch += 1
+        self._epoch += 1
 
     def preload(self, buffers: Mapping[Key, torch.Tensor]) -> bool:
         """Copies every expert not cached yet from `buffers` (the host store) into the cache, if it has a slot
@@ -80,12 +77,9 @@ class ResidentView:
         if self._total == 0 or cache.num_slots < self._total:
             return False
         for key in self._all_keys():
-            if cache.lookup(key) is not None:
-                continue
-            slot, _ = cache.acquire(key, None, -1, include_protected=True)
-            assert slot is not None  # a slot for every expert, and nothing pinned by a layer yet
-            cache.flat(slot).copy_(buffers[key])
-            slot.event = Landed()
+            if cache.lookup(key) is None:
+                slot = cache.fill_now(key, buffers[key])
+                assert slot is not None  # a slot for every expert, and nothing pinned by a layer yet
         self.refresh()
         return True
 
@@ -110,6 +104,9 @@ class ResidentView:
     def _all_keys(self) -> Iterable[Key]:
         return (key for keys in self._keys.values() for key in keys)
 
-    def _lapse(self) -> None:
-        self._layers = None
-        self.epoch += 1
+    def _current(self) -> list[NativeExperts | None] | None:
+        """The view's layers, after letting it lapse if any slot has changed since it was built."""
+        if self._layers is not None and self.cache.changes != self._built_at:
+            self._layers = None
+            self._epoch += 1
+        return self._layers
