@@ -214,7 +214,9 @@ static void check_moe(int64_t format, int64_t H, int64_t I, int64_t E, int64_t T
             char what[64];
             snprintf(what, sizeof what, "moe%s %s T=%lld [%lld, %lld]", mapped ? " mapped" : "", NAMES[format],
                      (long long)T, (long long)t, (long long)i);
-            expect_close(what, out[t * H + i], want[i], fabs(want[i]), 1e-4);
+            /* bf16 at 16 rows an expert and more runs on AMX tiles where the CPU has them: its sums differ in their
+             * last bits, and a SwiGLU value may round to the next bf16 on its way to down */
+            expect_close(what, out[t * H + i], want[i], fabs(want[i]), format == BF16 && T >= 16 ? 1e-2 : 1e-4);
         }
         free(want);
     }
@@ -226,7 +228,7 @@ static void check_moe(int64_t format, int64_t H, int64_t I, int64_t E, int64_t T
 }
 
 int main(void) {
-    static const int64_t rows[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17};
+    static const int64_t rows[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17, 33, 50}; /* bf16 from 16: AMX tiles */
     printf("isa %s\n", hs_isa());
     for (int threads = 1; threads <= 2; threads++) {
         hs_set_threads(threads);
@@ -241,6 +243,7 @@ int main(void) {
             for (int mapped = 0; mapped <= 1; mapped++) {
                 check_moe(format, 128, 64, 5, 1, 2, mapped);
                 check_moe(format, 128, 64, 5, 7, 2, mapped);
+                check_moe(format, 128, 64, 5, 45, 2, mapped); /* 18 rows an expert: bf16 on AMX tiles */
             }
         }
     }

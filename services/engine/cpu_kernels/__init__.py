@@ -1,5 +1,6 @@
 """Native CPU kernels: every weight format's matmul and a MoE layer in one call on one thread pool
-(`threadpool.c`, `matmul.c`, `rows.c`, `moe.c`; the formats and their Python side in `formats.py`), fp32
+(`threadpool.c`, `matmul.c`, `rows.c`, `moe.c`; bf16 at many rows on Intel AMX tiles in `amx.c`; the formats
+and their Python side in `formats.py`), fp32
 paged decode attention, RMSNorm and RoPE (`kernels.c`), and a decode step's whole layer chaining them
 (`layer.c`, `decode_layer.py`).
 
@@ -35,7 +36,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("kernels.c", "threadpool.c", "matmul.c", "rows.c", "moe.c",
-                                                          "layer.c")]
+                                                          "layer.c", "amx.c")]
 HEADERS = [Path(__file__).with_name(name) for name in ("hs.h", "rows_neon.h")]
 # The second where the compiler knows no -march=native. -fno-math-errno: lrintf inline, not a libm call per element.
 _FLAG_SETS = (["-O3", "-march=native", "-fno-math-errno"], ["-O3", "-fno-math-errno"])
@@ -128,6 +129,7 @@ def library() -> ctypes.CDLL | None:
     lib.hs_decode_layer_work.restype = _i64
     lib.hs_decode_layer_work.argtypes = [_ptr, _i64]
     lib.hs_isa.restype = ctypes.c_char_p
+    lib.hs_amx_rows.restype = ctypes.c_int
     lib.hs_set_threads.restype = ctypes.c_int
     lib.hs_set_threads.argtypes = [ctypes.c_int]
     lib.hs_threads.restype = ctypes.c_int
@@ -152,7 +154,9 @@ def describe() -> str:
     lib = library()
     if lib is None:
         return "native CPU kernels off (no compiler, a failed build or HINTSERVE_CPU_KERNELS=0): torch's path runs"
-    return f"native CPU kernels: {lib.hs_isa().decode()} loops"
+    amx_rows = lib.hs_amx_rows()
+    amx = f", bf16 on AMX tiles from {amx_rows} rows" if amx_rows else ""
+    return f"native CPU kernels: {lib.hs_isa().decode()} loops{amx}"
 
 
 def set_threads(threads: int) -> int:

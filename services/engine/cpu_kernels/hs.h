@@ -2,6 +2,7 @@
 #ifndef HS_H
 #define HS_H
 #include <stdint.h>
+#include <string.h>
 
 typedef void (*hs_task)(void *ctx, int64_t item);
 void hs_parallel(hs_task fn, void *ctx, int64_t n_items);
@@ -23,6 +24,14 @@ typedef struct {
     const float *bias;  /* [N] or NULL */
 } hs_matrix;
 
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
 /* Activations as a format reads them: x itself (F32), bf16 rows, or int8 rows with per-block scales. */
 typedef struct {
     int64_t M, K;
@@ -33,6 +42,7 @@ typedef struct {
     float *d;          /* [M, K / block]: each block's scale */
     float *dsum;       /* [M, K / block]: scale * sum of the block's int8 values */
     float *corr;       /* Q8: [M] 128 * sum over blocks of dsum */
+    const void *amx;   /* BF16 on AMX: the call's rows packed as amx.c's tiles read them, or NULL */
     int64_t format, block;
 } acts;
 
@@ -50,6 +60,15 @@ void hs_rows_item(const hs_matrix *W, const acts *a, const int64_t *rows, int64_
 char *hs_scratch(int64_t bytes);
 const int64_t *hs_identity_rows(int64_t M);
 char *align64(char *p);
+
+/* bf16 on AMX tiles (amx.c): whether W at M rows takes them here, the packed activations' bytes and packing,
+ * and the product over weight rows [n0, n1) (returns the first row it left, past the last whole 16). */
+int hs_amx_wanted(const hs_matrix *W, int64_t M);
+int64_t hs_amx_packed_bytes(int64_t M, int64_t K);
+void hs_amx_pack_block(const acts *a, const int64_t *rows, int64_t M, int64_t b, void *dst);
+void hs_amx_pack(const acts *a, const int64_t *rows, int64_t M, void *dst);
+int64_t hs_amx_bf16_rows(const hs_matrix *W, const void *packed, int64_t M, int64_t n0, int64_t n1, float *y,
+                         int64_t ldy);
 
 /* The calls a decode layer chains (layer.c): matmul.c's, moe.c's and kernels.c's, each documented there. */
 int hs_linear(const hs_matrix *W, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t M);

@@ -24,14 +24,6 @@
 
 #include "hs.h"
 
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
-}
-
 /* ---- activation preparation (once per call, O(M K)) ---- */
 
 #if defined(__AVX512F__)
@@ -180,6 +172,15 @@ static void linear_item(void *ctx, int64_t item) {
     hs_rows_item(j->W, j->a, j->rows, j->a->M, item, j->y, j->ldy);
 }
 
+/* On AMX tiles an item is AMX_ITEM weight rows against every activation row: amx.c keeps a block of
+ * activations in L2 across the item's weight tiles, so more rows an item read them fewer times. */
+#define AMX_ITEM 64
+static void amx_linear_item(void *ctx, int64_t item) {
+    linear_job *j = ctx;
+    int64_t n0 = item * AMX_ITEM, n1 = n0 + AMX_ITEM < j->W->N ? n0 + AMX_ITEM : j->W->N;
+    hs_rows_block(j->W, j->a, j->rows, j->a->M, n0, n1, j->y, j->ldy);
+}
+
 static __thread char *tls_scratch;
 static __thread int64_t tls_scratch_bytes;
 static __thread int64_t *tls_rows;
@@ -211,14 +212,25 @@ const int64_t *hs_identity_rows(int64_t M) {
 
 /* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T + bias. Returns 0, or -1 when out of memory. */
 int hs_linear(const hs_matrix *W, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t M) {
-    char *buf = hs_scratch(hs_acts_bytes(W, M));
+    int amx = hs_amx_wanted(W, M);
+    int64_t acts_bytes = (hs_acts_bytes(W, M) + 63) & ~(int64_t)63;
+    char *buf = hs_scratch(acts_bytes + (amx ? hs_amx_packed_bytes(M, W->K) + 64 : 0));
     const int64_t *rows = hs_identity_rows(M);
     if ((W->format != F32 && !buf) || !rows)
         return -1;
     acts a;
     hs_acts_init(W, x, ldx, M, buf, &a);
-    hs_acts_fill(&a, 0, M);
+    if (amx) {
+        void *packed = align64(buf + acts_bytes);
+        hs_amx_pack(&a, rows, M, packed);
+        a.amx = packed;
+    }
+    if (!amx || W->N % 16) /* the tiles take whole blocks of 16 weight rows; the vector loops the rest */
+        hs_acts_fill(&a, 0, M);
     linear_job job = {W, &a, rows, y, ldy};
-    hs_parallel(linear_item, &job, hs_items(W, M));
+    if (amx)
+        hs_parallel(amx_linear_item, &job, (W->N + AMX_ITEM - 1) / AMX_ITEM);
+    else
+        hs_parallel(linear_item, &job, hs_items(W, M));
     return 0;
 }

@@ -22,13 +22,16 @@ typedef struct {
     int64_t active, I, H;
     acts *in, *mid;
     float *h, *act, *y; /* per assignment of the pass: [2I], [I], [H] */
+    int64_t *amx_block; /* [active + 1]: AMX: each slot's first packed block of 16 rows, prefix sums (none: NULL) */
+    char *amx_in, *amx_mid; /* the packed blocks of gate/up's and down's inputs */
 } moe_job;
 
-static int64_t slot_of(const moe_job *j, int64_t item) {
-    int64_t lo = 0, hi = j->active - 1;
-    while (lo < hi) { /* the last slot whose items start at or before `item` */
+/* The last of n slots whose range in `starts` (prefix sums) begins at or before `at`. */
+static int64_t slot_at(const int64_t *starts, int64_t n, int64_t at) {
+    int64_t lo = 0, hi = n - 1;
+    while (lo < hi) {
         int64_t mid = (lo + hi + 1) / 2;
-        if (j->items[mid] <= item)
+        if (starts[mid] <= at)
             lo = mid;
         else
             hi = mid - 1;
@@ -36,11 +39,41 @@ static int64_t slot_of(const moe_job *j, int64_t item) {
     return lo;
 }
 
+static int64_t slot_of(const moe_job *j, int64_t item) { return slot_at(j->items, j->active, item); }
+
+static int64_t slot_of_block(const moe_job *j, int64_t block) { return slot_at(j->amx_block, j->active, block); }
+
+/* A slot's inputs as its rows read them: on AMX tiles, its own packed blocks. */
+static const acts *slot_acts(const moe_job *j, const acts *a, const char *packed, int64_t s, int64_t width,
+                             acts *own) {
+    if (!j->amx_block || j->amx_block[s + 1] == j->amx_block[s])
+        return a;
+    *own = *a;
+    own->amx = packed + j->amx_block[s] * 16 * width * 2;
+    return own;
+}
+
+static void pack_in_item(void *ctx, int64_t block) {
+    moe_job *j = ctx;
+    int64_t s = slot_of_block(j, block), n = j->start[s + 1] - j->start[s];
+    hs_amx_pack_block(j->in, j->token_of + j->start[s], n, block - j->amx_block[s],
+                      j->amx_in + j->amx_block[s] * 16 * j->H * 2);
+}
+
+static void pack_mid_item(void *ctx, int64_t block) {
+    moe_job *j = ctx;
+    int64_t s = slot_of_block(j, block), n = j->start[s + 1] - j->start[s];
+    hs_amx_pack_block(j->mid, j->identity + j->start[s], n, block - j->amx_block[s],
+                      j->amx_mid + j->amx_block[s] * 16 * j->I * 2);
+}
+
 static void gate_up_item(void *ctx, int64_t item) {
     moe_job *j = ctx;
     int64_t s = slot_of(j, item);
-    hs_rows_item(&j->gate_up[j->expert_of[s]], j->in, j->token_of + j->start[s], j->start[s + 1] - j->start[s],
-                 item - j->items[s], j->h + j->start[s] * 2 * j->I, 2 * j->I);
+    acts own;
+    hs_rows_item(&j->gate_up[j->expert_of[s]], slot_acts(j, j->in, j->amx_in, s, j->H, &own),
+                 j->token_of + j->start[s], j->start[s + 1] - j->start[s], item - j->items[s],
+                 j->h + j->start[s] * 2 * j->I, 2 * j->I);
 }
 
 static void swiglu_item(void *ctx, int64_t a) {
@@ -55,8 +88,10 @@ static void swiglu_item(void *ctx, int64_t a) {
 static void down_item(void *ctx, int64_t item) {
     moe_job *j = ctx;
     int64_t s = slot_of(j, item);
-    hs_rows_item(&j->down[j->expert_of[s]], j->mid, j->identity + j->start[s], j->start[s + 1] - j->start[s],
-                 item - j->items[s], j->y + j->start[s] * j->H, j->H);
+    acts own;
+    hs_rows_item(&j->down[j->expert_of[s]], slot_acts(j, j->mid, j->amx_mid, s, j->I, &own),
+                 j->identity + j->start[s], j->start[s + 1] - j->start[s], item - j->items[s],
+                 j->y + j->start[s] * j->H, j->H);
 }
 
 static int64_t up64(int64_t bytes) { return (bytes + 127) & ~(int64_t)63; }
@@ -72,10 +107,20 @@ static int64_t up64(int64_t bytes) { return (bytes + 127) & ~(int64_t)63; }
 /* One pass: every slot's gate/up rows, the SwiGLUs, every slot's down rows. */
 static void run_pass(moe_job *job) {
     int64_t n = job->active;
+    if (job->amx_block) { /* which slots have rows enough for the tiles, and their blocks' places */
+        for (int64_t s = 0; s < n; s++) {
+            int64_t rows = job->start[s + 1] - job->start[s];
+            job->amx_block[s + 1] = job->amx_block[s] +
+                                    (hs_amx_wanted(&job->gate_up[job->expert_of[s]], rows) ? (rows + 15) / 16 : 0);
+        }
+        hs_parallel(pack_in_item, job, job->amx_block[n]);
+    }
     hs_parallel(gate_up_item, job, job->items[n]);
     hs_parallel(swiglu_item, job, job->start[n]);
     if (!job->down)
         return;
+    if (job->amx_block)
+        hs_parallel(pack_mid_item, job, job->amx_block[n]);
     for (int64_t s = 0; s < n; s++) /* down has H rows, not 2I */
         job->items[s + 1] = job->items[s] + hs_items(&job->down[job->expert_of[s]], job->start[s + 1] - job->start[s]);
     hs_parallel(down_item, job, job->items[n]);
@@ -99,7 +144,10 @@ int hs_moe(const hs_matrix *gate_up, const hs_matrix *down, int64_t M, const int
     for (int64_t e = 0; matrix_of && e < E; e++)
         if (matrix_of[e] < -1 || matrix_of[e] >= M)
             return -1;
-    int64_t per = 4 * (3 * I + H) + (down ? hs_acts_bytes(&down[0], 1) : 0);
+    /* AMX: each slot's rows packed in whole blocks of 16, a slot with fewer rows than the tiles take not at all,
+     * so a pass's packed rows are fewer than twice its assignments. */
+    int amx = hs_amx_wanted(&gate_up[0], A);
+    int64_t per = 4 * (3 * I + H) + (down ? hs_acts_bytes(&down[0], 1) : 0) + (amx ? 4 * (H + I) : 0);
     int64_t cap = MOE_PASS_BYTES / per < A ? MOE_PASS_BYTES / per : A; /* assignments a pass holds */
     cap = cap < 1 ? 1 : cap;
     const int64_t *identity = hs_identity_rows(cap);
@@ -107,7 +155,9 @@ int hs_moe(const hs_matrix *gate_up, const hs_matrix *down, int64_t M, const int
         return -2;
     int64_t in_bytes = up64(hs_acts_bytes(&gate_up[0], T)), mid_bytes = down ? up64(hs_acts_bytes(&down[0], cap)) : 0;
     int64_t ints = 7 * M + 4 + 2 * A;
-    int64_t bytes = in_bytes + mid_bytes + up64(ints * 8) + up64(cap * 2 * I * 4) + up64(cap * I * 4) + up64(cap * H * 4);
+    int64_t amx_bytes = amx ? up64((M + 1) * 8) + up64(2 * cap * H * 2) + up64(2 * cap * I * 2) : 0;
+    int64_t bytes = in_bytes + mid_bytes + up64(ints * 8) + up64(cap * 2 * I * 4) + up64(cap * I * 4) +
+                    up64(cap * H * 4) + amx_bytes;
     char *base = hs_scratch(bytes);
     if (!base)
         return -2;
@@ -122,6 +172,14 @@ int hs_moe(const hs_matrix *gate_up, const hs_matrix *down, int64_t M, const int
     p += up64(ints * 8);
     float *h = (float *)p, *act = (float *)(p + up64(cap * 2 * I * 4));
     float *y = (float *)((char *)act + up64(cap * I * 4));
+    int64_t *amx_block = NULL;
+    char *amx_in = NULL, *amx_mid = NULL;
+    if (amx) {
+        amx_block = (int64_t *)((char *)y + up64(cap * H * 4));
+        amx_block[0] = 0;
+        amx_in = (char *)amx_block + up64((M + 1) * 8);
+        amx_mid = amx_in + up64(2 * cap * H * 2);
+    }
     hs_acts_init(down ? &down[0] : &gate_up[0], act, I, cap, mid_scratch, &mid);
     if (!down) /* no down projection to prepare activations for: the SwiGLU phase only writes act */
         mid.bf16 = NULL, mid.q = NULL;
@@ -175,7 +233,7 @@ int hs_moe(const hs_matrix *gate_up, const hs_matrix *down, int64_t M, const int
         }
         pass_start[n] = a1 - a0;
         moe_job job = {gate_up, down, pass_expert, pass_start, token_of + a0, pass_items, identity, n, I, H,
-                       &in, &mid, h, act, y};
+                       &in, &mid, h, act, y, amx_block, amx_in, amx_mid};
         run_pass(&job);
         /* Each token's experts in the router's order (of those this pass holds): one pass sums bit for bit as the
          * resident layer always has, which the offload path's cached batch relies on. */
