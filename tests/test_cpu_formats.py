@@ -309,42 +309,48 @@ def test_native_softmax_routing_is_torchs_up_to_the_products_summation_order(row
     assert tied[1].tolist() == [[0, 1, 2]] and torch.allclose(tied[2], torch.full((1, 128), 1 / 128))
 
 
-_BF16_PRODUCTS = """
+_TILE_PRODUCTS = """
 import sys, torch
 from services.engine.cpu_kernels import formats
-g = torch.Generator().manual_seed(5)
-w = torch.randn(203, 256, generator=g) * 0.05
-bias = torch.randn(203, generator=g)
-x = torch.randn(64, 256, generator=g)
-experts = [formats.pack(torch.randn(128, 256, generator=g) * 0.05, "bf16") for _ in range(5)]
-downs = [formats.pack(torch.randn(256, 64, generator=g) * 0.05, "bf16") for _ in range(5)]
-tokens = torch.randn(45, 256, generator=g)
-ids = torch.stack([torch.arange(45) % 4, (torch.arange(45) + 1) % 4], dim=1)
-ids[:3, 1] = 4  # experts 0-3 at 21-23 rows (tiles), expert 4 at 3 (the vector loops) in the same call
-weights = torch.rand(45, 2, generator=g)
-linear = formats.matmul(x, formats.pack(w, "bf16", bias=bias))
-moe = formats.moe(tokens, ids, weights, formats.native_array(experts), formats.native_array(downs), 256)
-torch.save({"linear": linear, "moe": moe}, sys.argv[1])
+out = {}
+for fmt in ("bf16", "int8"):
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(203, 256, generator=g) * 0.05
+    bias = torch.randn(203, generator=g)
+    x = torch.randn(64, 256, generator=g)
+    experts = [formats.pack(torch.randn(128, 256, generator=g) * 0.05, fmt) for _ in range(5)]
+    downs = [formats.pack(torch.randn(256, 64, generator=g) * 0.05, fmt) for _ in range(5)]
+    tokens = torch.randn(45, 256, generator=g)
+    ids = torch.stack([torch.arange(45) % 4, (torch.arange(45) + 1) % 4], dim=1)
+    ids[:3, 1] = 4  # experts 0-3 at 21-23 rows (tiles), expert 4 at 3 (the vector loops) in the same call
+    weights = torch.rand(45, 2, generator=g)
+    out[fmt, "linear"] = formats.matmul(x, formats.pack(w, fmt, bias=bias))
+    out[fmt, "moe"] = formats.moe(tokens, ids, weights, formats.native_array(experts), formats.native_array(downs),
+                                  256)
+torch.save(out, sys.argv[1])
 """
 
 
-def test_bf16_on_amx_tiles_matches_the_vector_loops(tmp_path) -> None:
-    """Where the CPU grants AMX, bf16 at 5 rows and more runs on its tiles: the same bf16 products summed in fp32
-    in another order, so the results agree with the vector loops' (HINTSERVE_AMX=0) to fp32 rounding."""
+def test_amx_tiles_match_the_vector_loops(tmp_path) -> None:
+    """Where the CPU grants AMX, bf16 from 5 rows and int8 from 10 run on its tiles: bf16 sums the same products
+    in fp32 in another order, so it agrees with the vector loops (HINTSERVE_AMX=0) to fp32 rounding; int8's
+    integer sums are exact and scaled as the vector loops scale them, so it is their bits."""
     import os
     import subprocess
     import sys
 
-    if not cpu_kernels.library().hs_amx_rows():
+    if not cpu_kernels.library().hs_amx_rows(formats.FORMAT_IDS["bf16"]):
         pytest.skip("no AMX tiles here (the CPU has none, or the OS or hypervisor does not grant them)")
-    assert "bf16 on AMX tiles" in cpu_kernels.describe()
+    assert "AMX tiles: bf16 from 5 rows, int8 from 10 rows" in cpu_kernels.describe()
     results = {}
     for amx in ("1", "0"):
         out = tmp_path / f"amx{amx}.pt"
-        subprocess.run([sys.executable, "-c", _BF16_PRODUCTS, str(out)], check=True, timeout=300,
+        subprocess.run([sys.executable, "-c", _TILE_PRODUCTS, str(out)], check=True, timeout=300,
                        env={**os.environ, "HINTSERVE_AMX": amx})
         results[amx] = torch.load(out)
-    for name in ("linear", "moe"):
-        tiles, vectors = results["1"][name], results["0"][name]
-        # moe: a SwiGLU value may round to the next bf16 on its way to down, a bf16 step of one input
-        assert _relative_error(tiles, vectors) < (1e-5 if name == "linear" else 5e-3), name
+    for (fmt, name), tiles in results["1"].items():
+        vectors = results["0"][fmt, name]
+        if fmt == "int8":
+            assert torch.equal(tiles, vectors), name
+        else:  # moe: a SwiGLU value may round to the next bf16 on its way to down, a bf16 step of one input
+            assert _relative_error(tiles, vectors) < (1e-5 if name == "linear" else 5e-3), name

@@ -130,6 +130,7 @@ def library() -> ctypes.CDLL | None:
     lib.hs_decode_layer_work.argtypes = [_ptr, _i64]
     lib.hs_isa.restype = ctypes.c_char_p
     lib.hs_amx_rows.restype = ctypes.c_int
+    lib.hs_amx_rows.argtypes = [_i64]
     lib.hs_set_threads.restype = ctypes.c_int
     lib.hs_set_threads.argtypes = [ctypes.c_int]
     lib.hs_threads.restype = ctypes.c_int
@@ -154,9 +155,11 @@ def describe() -> str:
     lib = library()
     if lib is None:
         return "native CPU kernels off (no compiler, a failed build or HINTSERVE_CPU_KERNELS=0): torch's path runs"
-    amx_rows = lib.hs_amx_rows()
-    amx = f", bf16 on AMX tiles from {amx_rows} rows" if amx_rows else ""
-    return f"native CPU kernels: {lib.hs_isa().decode()} loops{amx}"
+    from services.engine.cpu_kernels.formats import FORMAT_IDS  # formats imports this module
+
+    amx_rows = {fmt: lib.hs_amx_rows(FORMAT_IDS[fmt]) for fmt in ("bf16", "int8")}
+    amx = ", ".join(f"{fmt} from {rows} rows" for fmt, rows in amx_rows.items() if rows)
+    return f"native CPU kernels: {lib.hs_isa().decode()} loops" + (f"; AMX tiles: {amx}" if amx else "")
 
 
 def set_threads(threads: int) -> int:

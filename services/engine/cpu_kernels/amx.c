@@ -1,22 +1,29 @@
-/* bf16 weights against many activation rows on Intel AMX (TDPBF16PS): prefill chunks and wide batches.
+/* bf16 and int8 weights against many activation rows on Intel AMX tiles: prefill chunks and wide batches.
  *
- * Why: at many rows a bf16 matmul is bound by arithmetic, not by reading weights, and AVX-512's vdpbf16ps
- * (rows.c's bf16_tile) does 64 multiply-adds a cycle where one AMX tile op does 512 (Sapphire Rapids and later
- * Xeons; torch's oneDNN uses them for its own bf16 matmuls). Each tile product multiplies 16 weight rows x 32
- * inputs (tile A, read in place from W [N, K] at its row stride) by 32 inputs x 16 activation rows (tile B: the
- * activations packed once per call by hs_amx_pack, pairs of bf16 inputs side by side for 16 rows), into 16 x 16
- * fp32 sums (tile C = y^T), so the weights need no second layout and are read once per 16-48 activation rows.
+ * Why: at many rows a matmul is bound by arithmetic, not by reading weights, and AVX-512's dot products
+ * (rows.c's bf16_tile, q8_tile) do 64 (bf16) or 128 (int8) multiply-adds a cycle where one tile op does 512 or
+ * 1024 (Sapphire Rapids and later Xeons; torch's oneDNN uses them for its own bf16 matmuls).
  *
- * Sums: bf16 products accumulated in fp32, as vdpbf16ps does, but in the tile unit's order (and with its
- * denormals flushed), so a row's result differs from the vector loops' in its last bits. HINTSERVE_AMX=0 in the
- * environment turns this path off. */
+ * bf16 (TDPBF16PS): each tile product multiplies 16 weight rows x 32 inputs (tile A, read in place from W [N, K]
+ * at its row stride) by 32 inputs x 16 activation rows (tile B: the activations packed once per call by
+ * hs_amx_pack, pairs of bf16 inputs side by side for 16 rows), into 16 x 16 fp32 sums (tile C = y^T), so the
+ * weights need no second layout. Sums: bf16 products accumulated in fp32, as vdpbf16ps does, but in the tile
+ * unit's order (and with its denormals flushed), so a row's result differs from the vector loops' in its last
+ * bits.
+ *
+ * int8 (TDPBSUD): Q8's tiles of 16 weight rows ([K/4][16][4] bytes, w + 128) are tile B as they lie; tile A is
+ * 16 activation rows' int8 values (packed per call, rows gathered); each tile product is one activation block's
+ * exact int32 sums, scaled in fp32 as the vector loop scales them, so the results are its bits.
+ *
+ * HINTSERVE_AMX=0 in the environment turns this path off. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "hs.h"
 
-#if defined(__x86_64__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#if defined(__x86_64__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && \
+    defined(__AVX512F__) && defined(__linux__)
 #include <immintrin.h>
 #include <stdatomic.h>
 #include <sys/syscall.h>
@@ -28,6 +35,9 @@
 
 #ifndef AMX_MIN_ROWS
 #define AMX_MIN_ROWS 5 /* below: rows.c's vector loops, as fast here (4 rows: 335 us a 1536 x 2048 matrix either way) */
+#endif
+#ifndef AMX_MIN_ROWS_Q8
+#define AMX_MIN_ROWS_Q8 10 /* int8's vector loops are faster per row: 8 rows 194 us against the tiles' 230 */
 #endif
 #define AMX_MB 3 /* activation row blocks of 16 per pass over a weight tile: 1 A + 3 B + 3 C of the 8 tiles */
 
@@ -46,30 +56,46 @@ static int amx_granted(void) {
 }
 #endif
 
-/* Whether bf16 runs on AMX tiles here from AMX_MIN_ROWS rows (the start-up line and hintserve doctor say it). */
-int hs_amx_rows(void) {
+/* The rows from which `format` runs on AMX tiles here, 0: never (the start-up line and hintserve doctor say it). */
+int hs_amx_rows(int64_t format) {
 #if defined(HAVE_AMX)
-    return amx_granted() ? AMX_MIN_ROWS : 0;
+    if (!amx_granted())
+        return 0;
+    return format == BF16 ? AMX_MIN_ROWS : format == Q8 ? AMX_MIN_ROWS_Q8 : 0;
 #else
+    (void)format;
     return 0;
 #endif
 }
 
 int hs_amx_wanted(const hs_matrix *W, int64_t M) {
-#if defined(HAVE_AMX)
-    return W->format == BF16 && M >= AMX_MIN_ROWS && W->K % 32 == 0 && amx_granted();
-#else
-    (void)W, (void)M;
-    return 0;
-#endif
+    int least = hs_amx_rows(W->format);
+    return least && M >= least && W->K % 64 == 0;
 }
 
-/* Bytes hs_amx_pack writes for M rows of width K: whole blocks of 16 rows. */
-int64_t hs_amx_packed_bytes(int64_t M, int64_t K) { return (M + 15) / 16 * 16 * K * 2; }
+/* Bytes of one packed activation row of width K: bf16 pairs, or Q8's int8 values. */
+int64_t hs_amx_row_bytes(int64_t format, int64_t K) { return format == Q8 ? K : 2 * K; }
 
-/* Block b of the fp32 activation rows a->f32[rows[m]] (m < M) rounded to bf16 (as hs_acts_fill rounds them)
- * into dst, the block's [K / 2][16] pairs: the B tiles of every 32 inputs follow on; zeros past M. */
+/* Bytes hs_amx_pack writes for M rows of width K: whole blocks of 16 rows. */
+int64_t hs_amx_packed_bytes(int64_t format, int64_t M, int64_t K) {
+    return (M + 15) / 16 * 16 * hs_amx_row_bytes(format, K);
+}
+
+/* Block b of the activation rows rows[m] (m < M) into dst, zeros past M. bf16: a->f32's rows rounded (as
+ * hs_acts_fill rounds them) as the block's [K / 2][16] pairs, so the B tiles of every 32 inputs follow on. Q8:
+ * the rows' int8 values (a->q, filled) as [16][K], tile A's rows at a stride of K. */
 void hs_amx_pack_block(const acts *a, const int64_t *rows, int64_t M, int64_t b, void *dst) {
+    if (a->format == Q8) {
+        int8_t *out = (int8_t *)dst + b * 16 * a->K;
+        for (int64_t r = 0; r < 16; r++) {
+            int64_t m = b * 16 + r;
+            if (m < M)
+                memcpy(out + r * a->K, a->q + rows[m] * a->K, a->K);
+            else
+                memset(out + r * a->K, 0, a->K);
+        }
+        return;
+    }
     int64_t pairs = a->K / 2;
     uint32_t *out = (uint32_t *)dst + b * pairs * 16;
     for (int64_t r = 0; r < 16; r++) {
@@ -191,5 +217,85 @@ int64_t hs_amx_bf16_rows(const hs_matrix *W, const void *packed, int64_t M, int6
 #else
     (void)W, (void)packed, (void)M, (void)y, (void)ldy, (void)n1;
     return n0;
+#endif
+}
+
+#if defined(HAVE_AMX)
+static inline __attribute__((always_inline)) void scale_block(__m512 acc[16], const int32_t sums[16][16],
+                                                              const float *const d[16], int64_t b) {
+    for (int r = 0; r < 16; r++)
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[r])), _mm512_set1_ps(d[r][b]), acc[r]);
+}
+
+/* One int8 weight tile (16 rows, w: its [K / 4][16][4] bytes, tile B as it lies) against one packed block of
+ * activation rows (tile A, [16][K]): per block of QB inputs the exact int32 sums of q * (w + 128), then in fp32
+ * acc += sums * d, block by block, and y = scale * (acc - corr) + bias: rows.c's q8_tile's operations in its
+ * order, so the results are its bits. */
+static void q8_block(const uint8_t *w, const float *ws, const float *bias, int valid, const int8_t *xq,
+                     const acts *a, const int64_t *rows, int64_t mm, float *y, int64_t ldy) {
+    int64_t K = a->K, blocks = K / QB;
+    int32_t sums[2][16][16] __attribute__((aligned(64)));
+    const float *d[16];
+    __m512 acc[16];
+    for (int r = 0; r < 16; r++) {
+        d[r] = a->d + rows[r < mm ? r : 0] * blocks; /* rows past mm: zeros, summed and dropped */
+        acc[r] = _mm512_setzero_ps();
+    }
+    /* Two blocks a step on two sum tiles, so the tile unit multiplies the second while the vector unit scales
+     * the first's sums (one tile a step: the scaling paced the loop, 5-8% slower). Prefetching the tile's
+     * weights 1-4 KB ahead moved a Qwen3 MoE layer of 512 tokens by less than its noise. */
+    int64_t b = 0;
+    for (; b + 2 <= blocks; b += 2) {
+        _tile_zero(0);
+        _tile_zero(3);
+        _tile_loadd(1, xq + b * QB, K);
+        _tile_loadd(2, w + b * QB * TILE, 64);
+        _tile_dpbsud(0, 1, 2);
+        _tile_loadd(4, xq + (b + 1) * QB, K);
+        _tile_loadd(5, w + (b + 1) * QB * TILE, 64);
+        _tile_dpbsud(3, 4, 5);
+        _tile_stored(0, sums[0], 64);
+        scale_block(acc, sums[0], d, b);
+        _tile_stored(3, sums[1], 64);
+        scale_block(acc, sums[1], d, b + 1);
+    }
+    if (b < blocks) {
+        _tile_zero(0);
+        _tile_loadd(1, xq + b * QB, K);
+        _tile_loadd(2, w + b * QB * TILE, 64);
+        _tile_dpbsud(0, 1, 2);
+        _tile_stored(0, sums[0], 64);
+        scale_block(acc, sums[0], d, b);
+    }
+    __mmask16 keep = (__mmask16)((1u << valid) - 1);
+    __m512 scale = _mm512_maskz_loadu_ps(keep, ws), add = bias ? _mm512_maskz_loadu_ps(keep, bias) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < mm; r++)
+        _mm512_mask_storeu_ps(y + r * ldy, keep,
+                              _mm512_fmadd_ps(scale, _mm512_sub_ps(acc[r], _mm512_set1_ps(a->corr[rows[r]])), add));
+}
+#endif
+
+/* Weight rows [n0, n1) (whole tiles but a last one past N) of an int8 W against the M activation rows of `a`
+ * (rows[m]) packed at `packed`. */
+void hs_amx_q8_rows(const hs_matrix *W, const acts *a, const int64_t *rows, const void *packed, int64_t M,
+                    int64_t n0, int64_t n1, float *y, int64_t ldy) {
+#if defined(HAVE_AMX)
+    tile_config cfg = {.palette = 1};
+    for (int t = 0; t < 6; t++)
+        cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    _tile_loadconfig(&cfg);
+    int64_t K = W->K;
+    for (int64_t b = 0; b * 16 < M; b++) {
+        const int8_t *xq = (const int8_t *)packed + b * 16 * K;
+        int64_t mm = M - b * 16 < 16 ? M - b * 16 : 16;
+        for (int64_t n = n0; n < n1; n += TILE) {
+            int valid = (int)(W->N - n < TILE ? W->N - n : TILE);
+            q8_block((const uint8_t *)W->w + n * K, (const float *)W->scales + n, W->bias ? W->bias + n : NULL,
+                     valid, xq, a, rows + b * 16, mm, y + b * 16 * ldy + n, ldy);
+        }
+    }
+    _tile_release();
+#else
+    (void)W, (void)a, (void)rows, (void)packed, (void)M, (void)n0, (void)n1, (void)y, (void)ldy;
 #endif
 }

@@ -61,14 +61,18 @@ char *hs_scratch(int64_t bytes);
 const int64_t *hs_identity_rows(int64_t M);
 char *align64(char *p);
 
-/* bf16 on AMX tiles (amx.c): whether W at M rows takes them here, the packed activations' bytes and packing,
- * and the product over weight rows [n0, n1) (returns the first row it left, past the last whole 16). */
+/* bf16 and int8 on AMX tiles (amx.c): whether W at M rows takes them here, the packed activations' bytes and
+ * packing, and the products over weight rows [n0, n1) (bf16 returns the first row it left, past the last whole
+ * 16; int8 takes every tile). */
 int hs_amx_wanted(const hs_matrix *W, int64_t M);
-int64_t hs_amx_packed_bytes(int64_t M, int64_t K);
+int64_t hs_amx_row_bytes(int64_t format, int64_t K);
+int64_t hs_amx_packed_bytes(int64_t format, int64_t M, int64_t K);
 void hs_amx_pack_block(const acts *a, const int64_t *rows, int64_t M, int64_t b, void *dst);
 void hs_amx_pack(const acts *a, const int64_t *rows, int64_t M, void *dst);
 int64_t hs_amx_bf16_rows(const hs_matrix *W, const void *packed, int64_t M, int64_t n0, int64_t n1, float *y,
                          int64_t ldy);
+void hs_amx_q8_rows(const hs_matrix *W, const acts *a, const int64_t *rows, const void *packed, int64_t M,
+                    int64_t n0, int64_t n1, float *y, int64_t ldy);
 
 /* The calls a decode layer chains (layer.c): matmul.c's, moe.c's and kernels.c's, each documented there. */
 int hs_linear(const hs_matrix *W, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t M);

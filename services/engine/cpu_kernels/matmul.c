@@ -214,19 +214,21 @@ const int64_t *hs_identity_rows(int64_t M) {
 int hs_linear(const hs_matrix *W, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t M) {
     int amx = hs_amx_wanted(W, M);
     int64_t acts_bytes = (hs_acts_bytes(W, M) + 63) & ~(int64_t)63;
-    char *buf = hs_scratch(acts_bytes + (amx ? hs_amx_packed_bytes(M, W->K) + 64 : 0));
+    char *buf = hs_scratch(acts_bytes + (amx ? hs_amx_packed_bytes(W->format, M, W->K) + 64 : 0));
     const int64_t *rows = hs_identity_rows(M);
     if ((W->format != F32 && !buf) || !rows)
         return -1;
     acts a;
     hs_acts_init(W, x, ldx, M, buf, &a);
+    /* bf16's tiles take whole blocks of 16 weight rows from the fp32 rows, the vector loops the rest from bf16 ones;
+     * int8's tiles read the quantized rows */
+    if (!amx || W->format != BF16 || W->N % 16)
+        hs_acts_fill(&a, 0, M);
     if (amx) {
         void *packed = align64(buf + acts_bytes);
         hs_amx_pack(&a, rows, M, packed);
         a.amx = packed;
     }
-    if (!amx || W->N % 16) /* the tiles take whole blocks of 16 weight rows; the vector loops the rest */
-        hs_acts_fill(&a, 0, M);
     linear_job job = {W, &a, rows, y, ldy};
     if (amx)
         hs_parallel(amx_linear_item, &job, (W->N + AMX_ITEM - 1) / AMX_ITEM);

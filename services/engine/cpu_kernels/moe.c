@@ -44,12 +44,11 @@ static int64_t slot_of(const moe_job *j, int64_t item) { return slot_at(j->items
 static int64_t slot_of_block(const moe_job *j, int64_t block) { return slot_at(j->amx_block, j->active, block); }
 
 /* A slot's inputs as its rows read them: on AMX tiles, its own packed blocks. */
-static const acts *slot_acts(const moe_job *j, const acts *a, const char *packed, int64_t s, int64_t width,
-                             acts *own) {
+static const acts *slot_acts(const moe_job *j, const acts *a, const char *packed, int64_t s, acts *own) {
     if (!j->amx_block || j->amx_block[s + 1] == j->amx_block[s])
         return a;
     *own = *a;
-    own->amx = packed + j->amx_block[s] * 16 * width * 2;
+    own->amx = packed + j->amx_block[s] * 16 * hs_amx_row_bytes(a->format, a->K);
     return own;
 }
 
@@ -57,21 +56,21 @@ static void pack_in_item(void *ctx, int64_t block) {
     moe_job *j = ctx;
     int64_t s = slot_of_block(j, block), n = j->start[s + 1] - j->start[s];
     hs_amx_pack_block(j->in, j->token_of + j->start[s], n, block - j->amx_block[s],
-                      j->amx_in + j->amx_block[s] * 16 * j->H * 2);
+                      j->amx_in + j->amx_block[s] * 16 * hs_amx_row_bytes(j->in->format, j->H));
 }
 
 static void pack_mid_item(void *ctx, int64_t block) {
     moe_job *j = ctx;
     int64_t s = slot_of_block(j, block), n = j->start[s + 1] - j->start[s];
     hs_amx_pack_block(j->mid, j->identity + j->start[s], n, block - j->amx_block[s],
-                      j->amx_mid + j->amx_block[s] * 16 * j->I * 2);
+                      j->amx_mid + j->amx_block[s] * 16 * hs_amx_row_bytes(j->mid->format, j->I));
 }
 
 static void gate_up_item(void *ctx, int64_t item) {
     moe_job *j = ctx;
     int64_t s = slot_of(j, item);
     acts own;
-    hs_rows_item(&j->gate_up[j->expert_of[s]], slot_acts(j, j->in, j->amx_in, s, j->H, &own),
+    hs_rows_item(&j->gate_up[j->expert_of[s]], slot_acts(j, j->in, j->amx_in, s, &own),
                  j->token_of + j->start[s], j->start[s + 1] - j->start[s], item - j->items[s],
                  j->h + j->start[s] * 2 * j->I, 2 * j->I);
 }
@@ -89,7 +88,7 @@ static void down_item(void *ctx, int64_t item) {
     moe_job *j = ctx;
     int64_t s = slot_of(j, item);
     acts own;
-    hs_rows_item(&j->down[j->expert_of[s]], slot_acts(j, j->mid, j->amx_mid, s, j->I, &own),
+    hs_rows_item(&j->down[j->expert_of[s]], slot_acts(j, j->mid, j->amx_mid, s, &own),
                  j->identity + j->start[s], j->start[s + 1] - j->start[s], item - j->items[s],
                  j->y + j->start[s] * j->H, j->H);
 }
