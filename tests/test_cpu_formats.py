@@ -327,6 +327,14 @@ for fmt in ("bf16", "int8"):
     out[fmt, "linear"] = formats.matmul(x, formats.pack(w, fmt, bias=bias))
     out[fmt, "moe"] = formats.moe(tokens, ids, weights, formats.native_array(experts), formats.native_array(downs),
                                   256)
+    # every expert at the fewest rows the tiles take (bf16 5, int8 10): each packed as 16, over three times the
+    # assignments
+    many = 16 if fmt == "bf16" else 8
+    experts = [formats.pack(torch.randn(128, 256, generator=g) * 0.05, fmt) for _ in range(many)]
+    downs = [formats.pack(torch.randn(256, 64, generator=g) * 0.05, fmt) for _ in range(many)]
+    ids = torch.stack([torch.arange(40) % many, (torch.arange(40) + many // 2) % many], dim=1)
+    out[fmt, "fewest rows"] = formats.moe(tokens[:40], ids, weights[:40], formats.native_array(experts),
+                                          formats.native_array(downs), 256)
 torch.save(out, sys.argv[1])
 """
 
@@ -354,3 +362,4 @@ def test_amx_tiles_match_the_vector_loops(tmp_path) -> None:
             assert torch.equal(tiles, vectors), name
         else:  # moe: a SwiGLU value may round to the next bf16 on its way to down, a bf16 step of one input
             assert _relative_error(tiles, vectors) < (1e-5 if name == "linear" else 5e-3), name
+    assert set(results["1"]) == {(fmt, name) for fmt in ("bf16", "int8") for name in ("linear", "moe", "fewest rows")}

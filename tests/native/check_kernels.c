@@ -210,13 +210,19 @@ static void check_moe(int64_t format, int64_t H, int64_t I, int64_t E, int64_t T
             for (int64_t i = 0; i < H; i++)
                 want[i] += weights[t * top_k + k] * y[i];
         }
+        /* bf16 at 5 rows an expert and more runs on AMX tiles where the CPU has them: its sums differ in their
+         * last bits, and a SwiGLU value at a rounding midpoint may round to the next bf16 on its way to down (a
+         * value of 40 by a step of 0.25 moved outputs by up to a tenth, seen), so its error is held to the
+         * token's largest output, not to each one's own */
+        double row_max = 0.0;
+        for (int64_t i = 0; i < H; i++)
+            row_max = fabs(want[i]) > row_max ? fabs(want[i]) : row_max;
+        int tiles = format == BF16 && T >= 5;
         for (int64_t i = 0; i < H; i++) {
             char what[64];
             snprintf(what, sizeof what, "moe%s %s T=%lld [%lld, %lld]", mapped ? " mapped" : "", NAMES[format],
                      (long long)T, (long long)t, (long long)i);
-            /* bf16 at 16 rows an expert and more runs on AMX tiles where the CPU has them: its sums differ in their
-             * last bits, and a SwiGLU value may round to the next bf16 on its way to down */
-            expect_close(what, out[t * H + i], want[i], fabs(want[i]), format == BF16 && T >= 16 ? 1e-2 : 1e-4);
+            expect_close(what, out[t * H + i], want[i], tiles ? row_max : fabs(want[i]), tiles ? 2e-2 : 1e-4);
         }
         free(want);
     }
@@ -230,6 +236,11 @@ static void check_moe(int64_t format, int64_t H, int64_t I, int64_t E, int64_t T
 int main(void) {
     static const int64_t rows[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17, 33, 50}; /* bf16 from 16: AMX tiles */
     printf("isa %s\n", hs_isa());
+    /* First, while the thread's scratch is still sized by one call (it only grows): experts at about the fewest
+     * rows AMX takes, each packed as 16, so a pass's packed rows are over three times its assignments (a
+     * sanitized build sees a buffer sized short). */
+    check_moe(BF16, 128, 64, 8, 20, 2, 0);
+    check_moe(Q8, 128, 64, 8, 40, 2, 0);
     for (int threads = 1; threads <= 2; threads++) {
         hs_set_threads(threads);
         for (int64_t format = F32; format <= Q4; format++)

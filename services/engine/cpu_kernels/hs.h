@@ -64,6 +64,7 @@ char *align64(char *p);
 /* bf16 and int8 on AMX tiles (amx.c): whether W at M rows takes them here, the packed activations' bytes and
  * packing, and the products over weight rows [n0, n1) (bf16 returns the first row it left, past the last whole
  * 16; int8 takes every tile). */
+int hs_amx_rows(int64_t format);
 int hs_amx_wanted(const hs_matrix *W, int64_t M);
 int64_t hs_amx_row_bytes(int64_t format, int64_t K);
 int64_t hs_amx_packed_bytes(int64_t format, int64_t M, int64_t K);

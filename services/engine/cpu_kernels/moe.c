@@ -143,18 +143,21 @@ int hs_moe(const hs_matrix *gate_up, const hs_matrix *down, int64_t M, const int
     for (int64_t e = 0; matrix_of && e < E; e++)
         if (matrix_of[e] < -1 || matrix_of[e] >= M)
             return -1;
-    /* AMX: each slot's rows packed in whole blocks of 16, a slot with fewer rows than the tiles take not at all,
-     * so a pass's packed rows are fewer than twice its assignments. */
+    /* AMX: each slot's rows packed in whole blocks of 16, a slot with fewer rows than the tiles take
+     * (`least`) not at all, so a pass's packed rows are at most its assignments plus 15 for each slot with
+     * `least` rows or more: 16 / least times its assignments, or 15 more a matrix. */
     int amx = hs_amx_wanted(&gate_up[0], A);
+    int64_t least = amx ? hs_amx_rows(gate_up[0].format) : 1;
     int64_t per = 4 * (3 * I + H) + (down ? hs_acts_bytes(&down[0], 1) : 0) + (amx ? 4 * (H + I) : 0);
     int64_t cap = MOE_PASS_BYTES / per < A ? MOE_PASS_BYTES / per : A; /* assignments a pass holds */
     cap = cap < 1 ? 1 : cap;
+    int64_t amx_slots = cap / least < M ? cap / least : M, packed_rows = cap + 15 * amx_slots;
     const int64_t *identity = hs_identity_rows(cap);
     if (!identity)
         return -2;
     int64_t in_bytes = up64(hs_acts_bytes(&gate_up[0], T)), mid_bytes = down ? up64(hs_acts_bytes(&down[0], cap)) : 0;
     int64_t ints = 7 * M + 4 + 2 * A;
-    int64_t amx_bytes = amx ? up64((M + 1) * 8) + up64(2 * cap * H * 2) + up64(2 * cap * I * 2) : 0;
+    int64_t amx_bytes = amx ? up64((M + 1) * 8) + up64(packed_rows * H * 2) + up64(packed_rows * I * 2) : 0;
     int64_t bytes = in_bytes + mid_bytes + up64(ints * 8) + up64(cap * 2 * I * 4) + up64(cap * I * 4) +
                     up64(cap * H * 4) + amx_bytes;
     char *base = hs_scratch(bytes);
@@ -177,7 +180,7 @@ int hs_moe(const hs_matrix *gate_up, const hs_matrix *down, int64_t M, const int
         amx_block = (int64_t *)((char *)y + up64(cap * H * 4));
         amx_block[0] = 0;
         amx_in = (char *)amx_block + up64((M + 1) * 8);
-        amx_mid = amx_in + up64(2 * cap * H * 2);
+        amx_mid = amx_in + up64(packed_rows * H * 2);
     }
     hs_acts_init(down ? &down[0] : &gate_up[0], act, I, cap, mid_scratch, &mid);
     if (!down) /* no down projection to prepare activations for: the SwiGLU phase only writes act */
