@@ -88,6 +88,8 @@ HEADLINES = (
              _vs_llamacpp),
     Headline("The same on an Intel Xeon (AVX-512 with VNNI and BF16)", "vs_llamacpp_xeon_bf16.json",
              "benchmarks/cpu-real-shape.md", _vs_llamacpp),
+    Headline("The same on an Intel Xeon with AMX tiles (bf16 and int8 prefill on them)", "vs_llamacpp_xeon_amx.json",
+             "benchmarks/cpu-real-shape.md", _vs_llamacpp),
     Headline("int4 experts, demo model (all experts)", "quant.json",
              "benchmarks/quantized.md", _quant),
     Headline("Gateway overhead", "gateway.json", "benchmarks/gateway.md", _gateway),

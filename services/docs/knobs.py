@@ -64,9 +64,11 @@ def knob_rows(cls: type, actions: dict[str, argparse.Action], env: bool) -> list
 
 
 def environment_variables(root: Path) -> dict[str, list[str]]:
-    """Every HINTSERVE_* name a module under services/ spells out, with the modules that read it."""
+    """Every HINTSERVE_* name a module under services/ spells out (Python, or the native kernels' C), with the
+    modules that read it."""
     found: dict[str, set[str]] = {}
-    for path in sorted((root / "services").rglob("*.py")):
+    services = root / "services"
+    for path in sorted([*services.rglob("*.py"), *services.rglob("*.c")]):
         for name in _ENV.findall(path.read_text()):
             found.setdefault(name, set()).add(str(path.relative_to(root)))
     return {name: sorted(paths) for name, paths in sorted(found.items())}
