@@ -1,5 +1,5 @@
 """Native CPU kernels: every weight format's matmul and a MoE layer in one call on one thread pool
-(`threadpool.c`, `matmul.c`, `rows.c`, `moe.c`; bf16 at many rows on Intel AMX tiles in `amx.c`; the formats
+(`threadpool.c`, `matmul.c`, `rows.c`, `moe.c`; bf16 and int8 at many rows on Intel AMX tiles in `amx.c`; the formats
 and their Python side in `formats.py`), fp32
 paged decode attention, RMSNorm and RoPE (`kernels.c`), and a decode step's whole layer chaining them
 (`layer.c`, `decode_layer.py`).

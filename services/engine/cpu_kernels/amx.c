@@ -276,9 +276,9 @@ static void q8_block(const uint8_t *w, const float *ws, const float *bias, int v
 #endif
 
 /* Weight rows [n0, n1) (whole tiles but a last one past N) of an int8 W against the M activation rows of `a`
- * (rows[m]) packed at `packed`. */
-void hs_amx_q8_rows(const hs_matrix *W, const acts *a, const int64_t *rows, const void *packed, int64_t M,
-                    int64_t n0, int64_t n1, float *y, int64_t ldy) {
+ * (rows[m]), packed at a->amx. */
+void hs_amx_q8_rows(const hs_matrix *W, const acts *a, const int64_t *rows, int64_t M, int64_t n0, int64_t n1,
+                    float *y, int64_t ldy) {
 #if defined(HAVE_AMX)
     tile_config cfg = {.palette = 1};
     for (int t = 0; t < 6; t++)
@@ -286,7 +286,7 @@ void hs_amx_q8_rows(const hs_matrix *W, const acts *a, const int64_t *rows, cons
     _tile_loadconfig(&cfg);
     int64_t K = W->K;
     for (int64_t b = 0; b * 16 < M; b++) {
-        const int8_t *xq = (const int8_t *)packed + b * 16 * K;
+        const int8_t *xq = (const int8_t *)a->amx + b * 16 * K;
         int64_t mm = M - b * 16 < 16 ? M - b * 16 : 16;
         for (int64_t n = n0; n < n1; n += TILE) {
             int valid = (int)(W->N - n < TILE ? W->N - n : TILE);
@@ -296,6 +296,6 @@ void hs_amx_q8_rows(const hs_matrix *W, const acts *a, const int64_t *rows, cons
     }
     _tile_release();
 #else
-    (void)W, (void)a, (void)rows, (void)packed, (void)M, (void)n0, (void)n1, (void)y, (void)ldy;
+    (void)W, (void)a, (void)rows, (void)M, (void)n0, (void)n1, (void)y, (void)ldy;
 #endif
 }

@@ -42,7 +42,7 @@ typedef struct {
     float *d;          /* [M, K / block]: each block's scale */
     float *dsum;       /* [M, K / block]: scale * sum of the block's int8 values */
     float *corr;       /* Q8: [M] 128 * sum over blocks of dsum */
-    const void *amx;   /* BF16 on AMX: the call's rows packed as amx.c's tiles read them, or NULL */
+    const void *amx;   /* BF16, Q8 on AMX: the call's rows packed as amx.c's tiles read them, or NULL */
     int64_t format, block;
 } acts;
 
@@ -72,8 +72,8 @@ void hs_amx_pack_block(const acts *a, const int64_t *rows, int64_t M, int64_t b,
 void hs_amx_pack(const acts *a, const int64_t *rows, int64_t M, void *dst);
 int64_t hs_amx_bf16_rows(const hs_matrix *W, const void *packed, int64_t M, int64_t n0, int64_t n1, float *y,
                          int64_t ldy);
-void hs_amx_q8_rows(const hs_matrix *W, const acts *a, const int64_t *rows, const void *packed, int64_t M,
-                    int64_t n0, int64_t n1, float *y, int64_t ldy);
+void hs_amx_q8_rows(const hs_matrix *W, const acts *a, const int64_t *rows, int64_t M, int64_t n0, int64_t n1,
+                    float *y, int64_t ldy);
 
 /* The calls a decode layer chains (layer.c): matmul.c's, moe.c's and kernels.c's, each documented there. */
 int hs_linear(const hs_matrix *W, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t M);

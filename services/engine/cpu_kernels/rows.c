@@ -1094,7 +1094,7 @@ void hs_rows_block(const hs_matrix *W, const acts *a, const int64_t *rows, int64
     float out[MB], out_rows[NCHUNK];
     int64_t step = W->format == Q8 || W->format == Q4 ? TILE : 1; /* chunks start on a tile (NCHUNK) */
     if (W->format == Q8 && a->amx) {
-        hs_amx_q8_rows(W, a, rows, a->amx, M, n0, n1, y, ldy);
+        hs_amx_q8_rows(W, a, rows, M, n0, n1, y, ldy);
         return;
     }
     if (W->format == BF16 && a->amx) {
