@@ -836,8 +836,16 @@ INLINE __m256i bcast4(const int8_t *p) {
  * half as long, gained nothing. The 512-bit loops keep one stream: on a Zen 4 guest (the same A/B, three
  * rounds) four streams made one-row int8 and int4 10-30% slower per expert and fp32 slower too, their
  * software prefetch a fixed distance down one stream being what that core streams best with. */
+/* AMD's Zen 3 and later (GCC 12 calls a Zen 4 whose AVX-512 a hypervisor hides znver3 too) keep one stream:
+ * on such a Zen 4 guest, whose 256-bit loops these are (alternating builds, two rounds, probe 29-32 GB/s on
+ * one thread), one-row int8 streamed 18-25 GB/s in one stream against 11-15 in four, 24-34 against 18-25 on
+ * two threads; a Zen 3 guest had been even within its noise. */
 #ifndef INT_STREAMS
+#if defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
+#define INT_STREAMS 1
+#else
 #define INT_STREAMS 4
+#endif
 #endif
 INLINE int64_t stream_order(int64_t i, int64_t blocks) {
     if (blocks % INT_STREAMS)
