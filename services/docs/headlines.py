@@ -86,6 +86,8 @@ HEADLINES = (
              "vs_llamacpp.json", "benchmarks/cpu-real-shape.md", _vs_llamacpp),
     Headline("The same on an AVX2-only CPU (Zen 3)", "vs_llamacpp_zen3.json", "benchmarks/cpu-real-shape.md",
              _vs_llamacpp),
+    Headline("The same on a Zen 4 with AVX-512 hidden (AVX2 loops)", "vs_llamacpp_zen4_avx2.json",
+             "benchmarks/cpu-real-shape.md", _vs_llamacpp),
     Headline("The same on an Intel Xeon (AVX-512 with VNNI and BF16)", "vs_llamacpp_xeon_bf16.json",
              "benchmarks/cpu-real-shape.md", _vs_llamacpp),
     Headline("The same on an Intel Xeon with AMX tiles (bf16 and int8 prefill on them)", "vs_llamacpp_xeon_amx.json",
