@@ -234,7 +234,7 @@ static void check_moe(int64_t format, int64_t H, int64_t I, int64_t E, int64_t T
 }
 
 int main(void) {
-    static const int64_t rows[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17, 33, 50}; /* bf16 from 16: AMX tiles */
+    static const int64_t rows[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17, 33, 50}; /* AMX tiles: bf16 from 5, int8 from 10 */
     printf("isa %s\n", hs_isa());
     /* First, while the thread's scratch is still sized by one call (it only grows): experts at about the fewest
      * rows AMX takes, each packed as 16, so a pass's packed rows are over three times its assignments (a

@@ -41,8 +41,14 @@
 #ifndef PREFETCH_HINT
 #define PREFETCH_HINT _MM_HINT_T0
 #endif
-/* AMD's AVX-512 cores (GCC 12 calls a Zen 4 znver3 with AVX-512), whose loops the defaults below tune apart. */
-#if defined(__AVX512F__) && (defined(__znver3__) || defined(__znver4__) || defined(__znver5__))
+/* AMD's Zen 3 and later (GCC 12 calls a Zen 4 znver3, with AVX-512 or with it hidden by a hypervisor), and
+ * those of them with AVX-512, whose loops the defaults below tune apart. */
+#if defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
+#define AMD_ZEN3_ON 1
+#else
+#define AMD_ZEN3_ON 0
+#endif
+#if defined(__AVX512F__) && AMD_ZEN3_ON
 #define AMD_AVX512 1
 #else
 #define AMD_AVX512 0
@@ -835,13 +841,12 @@ INLINE __m256i bcast4(const int8_t *p) {
  * each block from L1 after the first row, ran 5% slower in that order and keep theirs; int4, whose tiles are
  * half as long, gained nothing. The 512-bit loops keep one stream: on a Zen 4 guest (the same A/B, three
  * rounds) four streams made one-row int8 and int4 10-30% slower per expert and fp32 slower too, their
- * software prefetch a fixed distance down one stream being what that core streams best with. */
-/* AMD's Zen 3 and later (GCC 12 calls a Zen 4 whose AVX-512 a hypervisor hides znver3 too) keep one stream:
- * on such a Zen 4 guest, whose 256-bit loops these are (alternating builds, two rounds, probe 29-32 GB/s on
- * one thread), one-row int8 streamed 18-25 GB/s in one stream against 11-15 in four, 24-34 against 18-25 on
- * two threads; a Zen 3 guest had been even within its noise. */
+ * software prefetch a fixed distance down one stream being what that core streams best with. AMD's Zen 3 and
+ * later keep one stream in these loops too: on a Zen 4 guest whose AVX-512 a hypervisor hides (alternating
+ * builds, two rounds, probe 29-32 GB/s on one thread), one-row int8 streamed 18-25 GB/s in one stream against
+ * 11-15 in four, 24-34 against 18-25 on two threads; a Zen 3 guest had been even within its noise. */
 #ifndef INT_STREAMS
-#if defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
+#if AMD_ZEN3_ON
 #define INT_STREAMS 1
 #else
 #define INT_STREAMS 4
