@@ -1,12 +1,20 @@
-"""The engine's allocator settings: large host activations come from the reused heap, not fresh mmaps."""
+"""The engine's allocator settings: large host activations come from the reused heap, not fresh mmaps, and the
+weights the CPU kernels stream sit on memory of their own, aligned to huge pages."""
 
 from __future__ import annotations
 
 import ctypes.util
+import gc
 import subprocess
 import sys
 
 import pytest
+import torch
+
+from services.engine.cpu_kernels import formats
+from services.engine.expert_format import ExpertLayout
+from services.engine.host_allocator import HUGE_PAGE_BYTES, huge_page_empty
+from services.engine.models.resident import _layer_buffer
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux") or ctypes.util.find_library("c") is None, reason="glibc's mallopt"
@@ -39,3 +47,34 @@ def test_large_allocations_leave_mmap() -> None:
         pytest.skip("glibc < 2.33 has no mallinfo2")
     assert _mmapped_bytes("default") >= 8 << 20  # glibc's default: a fresh mapping for every such tensor
     assert _mmapped_bytes("keep") == 0
+
+
+def _mapped(address: int) -> bool:
+    with open("/proc/self/maps") as maps:
+        return any(int(lo, 16) <= address < int(hi, 16)
+                   for lo, hi in (line.split()[0].split("-") for line in maps))
+
+
+def test_huge_page_tensors_start_on_a_huge_page_and_unmap_when_freed() -> None:
+    t = huge_page_empty((5, 1 << 20), torch.float32)  # 20 MiB
+    assert t.shape == (5, 1 << 20) and t.dtype == torch.float32
+    assert t.data_ptr() % HUGE_PAGE_BYTES == 0
+    t.fill_(1.0)
+    assert t.sum().item() == 5 << 20
+    address = t.data_ptr()
+    row = t[2]
+    del t
+    gc.collect()
+    assert _mapped(address)  # a view keeps the mapping
+    del row
+    gc.collect()
+    assert not _mapped(address)
+    assert huge_page_empty((3, 7), torch.bfloat16).shape == (3, 7)  # below a huge page: torch's own memory
+
+
+def test_weights_the_kernels_stream_are_placed_on_huge_pages() -> None:
+    for fmt in ("bf16", "int8", "int4"):
+        matrix = formats.pack(torch.randn(2048, 2048), fmt, 64)
+        assert matrix.weight.data_ptr() % HUGE_PAGE_BYTES == 0, fmt
+    layer = _layer_buffer(ExpertLayout(2048, 768, torch.bfloat16), 4, "cpu")
+    assert layer is not None and layer.data_ptr() % HUGE_PAGE_BYTES == 0

@@ -32,6 +32,7 @@ from services.engine.cpu_kernels import formats as cpu_formats
 from services.engine.cpu_threads import use_threads
 from services.engine.expert_format import DEFAULT_GROUP_SIZE
 from services.engine.expert_provider import ExpertWeights
+from services.engine.host_allocator import huge_page_empty
 from services.engine.models.moe import expert_forward
 from services.engine.models.native_linear import NativeLinear
 from services.engine.models.packed_linear import PackedLinear, should_pack
@@ -105,18 +106,18 @@ def _count(nbytes: int, cycle_bytes: int, minimum: int = _UNIQUE, multiple: int 
 
 def expert_copies(fmt: str, gen: torch.Generator, cycle_bytes: int, minimum: int = _UNIQUE, multiple: int = 1,
                   ) -> tuple[Sequence[object], int]:
-    """Qwen3-shape experts stored as the engine stores `fmt` (expert_layout's flat buffer each), enough to
-    stream `cycle_bytes` per pass in whole `multiple`s (moe_groups' groups), and one expert's bytes. `_UNIQUE`
-    are random, the rest copies of them."""
+    """Qwen3-shape experts stored as the engine stores `fmt` (expert_layout's flat buffer each, all in one buffer
+    on huge pages as a layer's resident experts are), enough to stream `cycle_bytes` per pass in whole
+    `multiple`s (moe_groups' groups), and one expert's bytes. `_UNIQUE` are random, the rest copies of them."""
     expert_dtype = {"fp32": "auto", "bf16": "bf16"}.get(fmt, fmt)
     layout = expert_layout(HIDDEN, EXPERT_WIDTH, expert_dtype, GROUP_SIZE, torch.float32, "cpu")
-    flats = []
-    for _ in range(_UNIQUE):
+    nbytes = layout.numel * layout.dtype.itemsize
+    flats = huge_page_empty((_count(nbytes, cycle_bytes, minimum, multiple), layout.numel), layout.dtype)
+    for i in range(_UNIQUE):
         dense = torch.randn(3 * EXPERT_WIDTH, HIDDEN, generator=gen) / HIDDEN**0.5
-        flats.append(torch.empty(layout.numel, dtype=layout.dtype))
-        layout.pack(ExpertWeights(dense[: 2 * EXPERT_WIDTH], dense[2 * EXPERT_WIDTH :].t().contiguous()), flats[-1])
-    nbytes = flats[0].numel() * flats[0].element_size()
-    flats += [flats[i % _UNIQUE].clone() for i in range(_UNIQUE, _count(nbytes, cycle_bytes, minimum, multiple))]
+        layout.pack(ExpertWeights(dense[: 2 * EXPERT_WIDTH], dense[2 * EXPERT_WIDTH :].t().contiguous()), flats[i])
+    for i in range(_UNIQUE, flats.shape[0]):
+        flats[i].copy_(flats[i % _UNIQUE])
     return [layout.views(flat) for flat in flats], nbytes
 
 
@@ -166,10 +167,12 @@ def moe_call(x: torch.Tensor, group: Any) -> torch.Tensor:
 
 
 def _copy(layer: NativeLinear) -> NativeLinear:
-    """The same layer on copies of its tensors (packing each copy again would cost the run minutes)."""
+    """The same layer on copies of its tensors (packing each copy again would cost the run minutes), placed as
+    formats.pack places each format (fp32 as given, the others on huge pages)."""
     m = layer.matrix
     clone = copy.copy(layer)
-    clone.matrix = dataclasses.replace(m, weight=m.weight.clone(), _native=None, _alone=None,
+    weight = m.weight.clone() if m.format == "fp32" else huge_page_empty(m.weight.shape, m.weight.dtype).copy_(m.weight)
+    clone.matrix = dataclasses.replace(m, weight=weight, _native=None, _alone=None,
                                        scales=None if m.scales is None else m.scales.clone())
     clone.weight = clone.matrix.weight if m.format == "fp32" else None
     return clone

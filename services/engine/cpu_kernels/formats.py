@@ -8,6 +8,7 @@ one call that multiplies by it on the kernels' thread pool.
         [g/8, 16, 4], byte (i, t) holding row i's inputs t (low nibble) and 4 + t (high) of each 8, then
         its bf16 scale [16] and zero [16] per row: w = (q - 8) * scale + zero. One stream per tile: the
         scales read apart cost a Zen 4 core a quarter of its one-row rate.
+  Packed weights sit on huge pages of their own (host_allocator.huge_page_empty): the kernels stream them.
   A tile is what one vector op reads (rows.c); N is padded to a whole tile with zero rows.
 
 The int8 / int4 grids are quant/groupwise's (round to nearest): the same weights torch's kernels computed on.
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine import cpu_kernels
+from services.engine.host_allocator import huge_page_empty
 from services.engine.quant.groupwise import quantize_int4, quantize_int8
 
 if TYPE_CHECKING:
@@ -101,10 +103,11 @@ def pack(w: torch.Tensor, fmt: str, group: int = 64, bias: torch.Tensor | None =
     """Packs a float [N, K] matrix (any float dtype) into `fmt`."""
     n, k = w.shape
     bias = None if bias is None else bias.float().contiguous()
-    if fmt == "fp32":
-        return CpuMatrix(fmt, (n, k), w.float().contiguous(), bias=bias)
-    if fmt == "bf16":
-        return CpuMatrix(fmt, (n, k), w.to(torch.bfloat16).contiguous(), bias=bias)
+    if fmt in ("fp32", "bf16"):
+        dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
+        # A matrix already in the format stays as it is (a tied LM head keeps sharing the embedding table).
+        same = w.dtype == dtype and w.is_contiguous()
+        return CpuMatrix(fmt, (n, k), w if same else huge_page_empty((n, k), dtype).copy_(w), bias=bias)
     if fmt == "int8":
         q, scale = quantize_int8(w)
         return from_int8(q, scale, bias)
@@ -118,7 +121,8 @@ def from_int8(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = 
     """q int8 [N, K] in -127..127, scale [N]: w = q * scale."""
     n, k = q.shape
     tiles = _padded(q.to(torch.int16) + 128, 128).to(torch.uint8).view(-1, TILE, k // 4, 4)
-    weight = tiles.transpose(1, 2).contiguous().view(-1, k)
+    weight = huge_page_empty((tiles.shape[0] * TILE, k), torch.uint8)
+    weight.view(-1, k // 4, TILE, 4).copy_(tiles.transpose(1, 2))
     return CpuMatrix("int8", (n, k), weight, _padded(scale.float(), 0.0), bias=bias)
 
 
@@ -132,7 +136,8 @@ def from_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: i
     nibbles = packed.permute(0, 2, 3, 1, 4).reshape(-1, groups, group // 2 * TILE)
     pair = torch.stack((_padded(scale.float(), 0.0), _padded(zero.float(), 0.0)), dim=1)  # [N', 2, G]
     scales = pair.view(-1, TILE, 2, groups).permute(0, 3, 2, 1).to(torch.bfloat16).contiguous()  # [N/16, G, 2, 16]
-    weight = torch.cat((nibbles, scales.view(torch.uint8).view(-1, groups, 4 * TILE)), dim=2)
+    weight = huge_page_empty((nibbles.shape[0], groups, q4_group_bytes(group)), torch.uint8)
+    torch.cat((nibbles, scales.view(torch.uint8).view(-1, groups, 4 * TILE)), dim=2, out=weight)
     return CpuMatrix("int4", (n, k), weight.view(-1, groups * q4_group_bytes(group) // TILE), None, group, bias)
 
 

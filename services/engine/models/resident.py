@@ -7,6 +7,7 @@ from tqdm import tqdm
 
 from services.engine.expert_format import ExpertLayout
 from services.engine.expert_provider import ExpertWeights, ResidentExpertProvider
+from services.engine.host_allocator import huge_page_empty
 from services.engine.models.fused_moe import StackedExperts, grouped_mm_supported, stackable
 from services.engine.models.geometry import expert_bytes, total_experts
 from services.engine.models.native_moe import NativeExperts
@@ -32,7 +33,8 @@ def load_resident_experts(
     layout: StoredLayout | None = None,
     fused: bool = True,
 ) -> ResidentExpertProvider:
-    """Every expert on the device, as read or (with a quantized `layout`) packed into one buffer each. On the
+    """Every expert on the device, as read or (with a quantized `layout`) packed; on the CPU into one buffer a
+    layer (_layer_buffer). On the
     CPU with the native kernels built, each layer runs in one native call on the experts as they are; else
     dense experts are stacked for the fused MoE path (the per-expert weights become views: one copy either way)."""
     experts: list[list[ExpertWeights | QuantizedExpertWeights] | None] = []
@@ -41,6 +43,8 @@ def load_resident_experts(
     all_bytes = expert_bytes(spec, reader.dtype) * total_experts(spec)
     small = all_bytes <= PACK_EXPERTS_MAX_BYTES
     packed_for_prefill = all_bytes <= PREFILL_PACK_MAX_BYTES and should_pack(str(reader.device), torch.float32)
+    # No layout: experts dense in the dtype read (on the CPU copied into a layer buffer too, for its huge pages).
+    layout = layout or ExpertLayout(spec.hidden_size, spec.moe_intermediate_size, reader.dtype)
     for layer in tqdm(range(spec.num_layers), desc="loading experts", unit="layer", leave=False, disable=None):
         if not spec.moe_layers[layer]:
             experts.append(None)
@@ -64,20 +68,22 @@ def load_resident_experts(
     return ResidentExpertProvider(experts, stacks, natives)
 
 
-def _layer_buffer(layout: StoredLayout | None, experts: int, device: torch.device | str) -> torch.Tensor | None:
-    """One buffer for a layer's packed experts: a fresh allocation this large is backed by huge pages
-    (services/__init__.py), which one expert's (an int4 Qwen3 expert is 2.8 MB, mostly carved from memory the
-    load already touched) was not; the layer's experts then stream without a page walk every 4 KB."""
-    if layout is None or isinstance(layout, ExpertLayout):
+def _layer_buffer(layout: StoredLayout, experts: int, device: torch.device | str) -> torch.Tensor | None:
+    """One buffer for a layer's packed experts, on huge pages on the CPU (host_allocator.huge_page_empty),
+    which one expert's (an int4 Qwen3 expert is 2.8 MB, mostly carved from memory the load already touched)
+    was not; the layer's experts then stream without a page walk every 4 KB."""
+    if torch.device(device).type == "cpu":
+        return huge_page_empty((experts, layout.numel), layout.dtype)
+    if isinstance(layout, ExpertLayout):
         return None  # experts kept as read (a dense layout of another dtype converts expert by expert)
     return torch.empty(experts, layout.numel, dtype=layout.dtype, device=device)
 
 
 def _place(
-    w: ExpertWeights, layout: StoredLayout | None, device: torch.device | str, packed: torch.Tensor | None = None,
+    w: ExpertWeights, layout: StoredLayout, device: torch.device | str, packed: torch.Tensor | None = None,
     index: int = 0,
 ) -> ExpertWeights | QuantizedExpertWeights:
-    if layout is None or (isinstance(layout, ExpertLayout) and layout.dtype == w.gate_up.dtype):
+    if packed is None and isinstance(layout, ExpertLayout) and layout.dtype == w.gate_up.dtype:
         return w  # already in the form the layout asks for: no copy
     flat = packed[index] if packed is not None else torch.empty(layout.numel, dtype=layout.dtype, device=device)
     layout.pack(w, flat)

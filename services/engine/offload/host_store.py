@@ -1,4 +1,5 @@
-"""Every expert's weights in host memory: one contiguous buffer per expert, pinned when CUDA is present."""
+"""Every expert's weights in host memory: one contiguous buffer per expert, pinned when CUDA is present (else
+views of one buffer a layer)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from tqdm import tqdm
 
 from services.engine.expert_format import ExpertLayout
 from services.engine.expert_provider import StoredWeights
+from services.engine.host_allocator import huge_page_empty
 from services.engine.models.spec import ModelSpec
 from services.engine.models.weights import WeightReader, expert_loader
 from services.engine.quant.layout import StoredLayout
@@ -41,9 +43,13 @@ class HostExpertStore:
         layers = [layer for layer in range(spec.num_layers) if spec.moe_layers[layer]]
         for layer in tqdm(layers, desc="host expert store", unit="layer", leave=False):
             load = expert_loader(reader, spec, layer)
+            # Unpinned (the host computes from it, no DMA reads it): one buffer a layer on huge pages, which
+            # the host's kernels stream faster (host_allocator.huge_page_empty).
+            layer_buffer = None if pin else huge_page_empty((spec.num_experts, self.layout.numel), self.dtype)
             for expert in range(spec.num_experts):
                 w = load(expert, "cpu")  # never placed on the device
-                flat = torch.empty(self.layout.numel, dtype=self.dtype, pin_memory=pin)
+                flat = (layer_buffer[expert] if layer_buffer is not None
+                        else torch.empty(self.layout.numel, dtype=self.dtype, pin_memory=pin))
                 self.layout.pack(w, flat)
                 self.buffers[(layer, expert)] = flat
 
