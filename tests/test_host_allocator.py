@@ -13,7 +13,7 @@ import torch
 
 from services.engine.cpu_kernels import formats
 from services.engine.expert_format import ExpertLayout
-from services.engine.host_allocator import HUGE_PAGE_BYTES, huge_page_empty
+from services.engine.host_allocator import HUGE_PAGE_BYTES, HugePageArena, huge_page_empty
 from services.engine.models.resident import _layer_buffer
 
 pytestmark = pytest.mark.skipif(
@@ -78,3 +78,19 @@ def test_weights_the_kernels_stream_are_placed_on_huge_pages() -> None:
         assert matrix.weight.data_ptr() % HUGE_PAGE_BYTES == 0, fmt
     layer = _layer_buffer(ExpertLayout(2048, 768, torch.bfloat16), 4, "cpu")
     assert layer is not None and layer.data_ptr() % HUGE_PAGE_BYTES == 0
+
+
+def test_an_arena_hands_out_its_buffer_in_turn_and_refuses_more() -> None:
+    sizes = [3 << 20, 1000, 5 << 20]
+    arena = HugePageArena(HugePageArena.bytes_for(sizes))
+    a = arena.take((3 << 18,), torch.float32)
+    b = arena.take((10, 100), torch.uint8)
+    c = arena.take((5 << 19,), torch.bfloat16)
+    assert a.data_ptr() % HUGE_PAGE_BYTES == 0  # the buffer's start
+    assert b.data_ptr() == a.data_ptr() + (3 << 20) and c.data_ptr() == b.data_ptr() + 1024  # cache lines
+    c.fill_(2.0)
+    assert b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()  # one buffer
+    with pytest.raises(ValueError, match="cannot hold"):
+        arena.take((1,), torch.uint8)
+    matrix = formats.pack(torch.randn(64, 256), "int4", 64, alloc=HugePageArena(1 << 20).take)
+    assert matrix.weight.numel() == formats.packed_nbytes((64, 256), "int4", 64)

@@ -32,7 +32,7 @@ from services.engine.cpu_kernels import formats as cpu_formats
 from services.engine.cpu_threads import use_threads
 from services.engine.expert_format import DEFAULT_GROUP_SIZE
 from services.engine.expert_provider import ExpertWeights
-from services.engine.host_allocator import huge_page_empty
+from services.engine.host_allocator import HugePageArena, huge_page_empty
 from services.engine.models.moe import expert_forward
 from services.engine.models.native_linear import NativeLinear
 from services.engine.models.packed_linear import PackedLinear, should_pack
@@ -126,10 +126,12 @@ def dense_copies(fmt: str, shape: tuple[int, int], gen: torch.Generator, cycle_b
     else PackedLinear), in enough copies to stream `cycle_bytes` per pass, and one copy's bytes."""
     bases = [torch.randn(*shape, generator=gen) / shape[1] ** 0.5 for _ in range(_UNIQUE)]
     if cpu_kernels.library() is not None:
-        layers = [NativeLinear(b, None, fmt, GROUP_SIZE) for b in bases]
-        nbytes = layers[0].nbytes
-        layers += [_copy(layers[i % _UNIQUE]) for i in range(_UNIQUE, _count(nbytes, cycle_bytes))]
-        return layers, nbytes
+        # All copies in one arena, as the engine packs a model's dense matrices (dense_layers).
+        count = _count(cpu_formats.packed_nbytes(shape, fmt, GROUP_SIZE), cycle_bytes)
+        arena = HugePageArena(HugePageArena.bytes_for([cpu_formats.packed_nbytes(shape, fmt, GROUP_SIZE)] * count))
+        layers = [NativeLinear(b, None, fmt, GROUP_SIZE, arena.take) for b in bases]
+        layers += [_copy(layers[i % _UNIQUE], arena.take) for i in range(_UNIQUE, count)]
+        return layers, layers[0].nbytes
     if fmt in _DTYPE:
         mats = [b.to(_DTYPE[fmt]) for b in bases]
         nbytes = mats[0].numel() * mats[0].element_size()
@@ -166,12 +168,12 @@ def moe_call(x: torch.Tensor, group: Any) -> torch.Tensor:
     return cpu_formats.moe(x, ids, torch.full((x.shape[0], TOP_K), 1.0 / TOP_K), gate_up, down, HIDDEN)
 
 
-def _copy(layer: NativeLinear) -> NativeLinear:
-    """The same layer on copies of its tensors (packing each copy again would cost the run minutes), placed as
-    formats.pack places each format (fp32 as given, the others on huge pages)."""
+def _copy(layer: NativeLinear, alloc: cpu_formats.Allocator) -> NativeLinear:
+    """The same layer on copies of its tensors, its weight where `alloc` puts it (packing each copy again would
+    cost the run minutes)."""
     m = layer.matrix
     clone = copy.copy(layer)
-    weight = m.weight.clone() if m.format == "fp32" else huge_page_empty(m.weight.shape, m.weight.dtype).copy_(m.weight)
+    weight = alloc(tuple(m.weight.shape), m.weight.dtype).copy_(m.weight)
     clone.matrix = dataclasses.replace(m, weight=weight, _native=None, _alone=None,
                                        scales=None if m.scales is None else m.scales.clone())
     clone.weight = clone.matrix.weight if m.format == "fp32" else None

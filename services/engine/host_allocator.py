@@ -103,3 +103,30 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     # The tensor holds the mapping (torch.frombuffer keeps its buffer alive); freeing the tensor unmaps it.
     flat = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=start)
     return flat.view(dtype).view(shape)
+
+
+class HugePageArena:
+    """Tensors handed out in turn from one huge_page_empty buffer sized up front: a model's dense matrices (or a
+    benchmark's copies of one) packed together, so none has a tail on small pages of its own (a 5.6 MB int4
+    q/k/v matrix on a mapping of its own is 2 huge pages and 1.6 MB of small ones)."""
+
+    ALIGN = 64  # each tensor starts on a cache line
+
+    def __init__(self, nbytes: int) -> None:
+        self.buffer = huge_page_empty((nbytes,), torch.uint8)
+        self.used = 0
+
+    @classmethod
+    def bytes_for(cls, sizes: list[int]) -> int:
+        """Bytes an arena needs to hand out tensors of these byte sizes."""
+        return sum(-(-size // cls.ALIGN) * cls.ALIGN for size in sizes)
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor of the next bytes; ValueError once the arena is spent."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        end = self.used + -(-nbytes // self.ALIGN) * self.ALIGN
+        if end > self.buffer.numel():
+            raise ValueError(f"arena of {self.buffer.numel()} bytes cannot hold {nbytes} more after {self.used}")
+        part = self.buffer[self.used : self.used + nbytes]
+        self.used = end
+        return part.view(dtype).view(shape)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -99,35 +100,56 @@ def native_widths(fmt: str, k: int, group: int = 0) -> bool:
     return k % 64 == 0 and (fmt != "int4" or group % 32 == 0)
 
 
-def pack(w: torch.Tensor, fmt: str, group: int = 64, bias: torch.Tensor | None = None) -> CpuMatrix:
-    """Packs a float [N, K] matrix (any float dtype) into `fmt`."""
+# Where a packed weight goes: (shape, dtype) -> an uninitialised CPU tensor (huge_page_empty, an arena's take).
+Allocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+
+
+def packed_nbytes(shape: tuple[int, int], fmt: str, group: int = 64) -> int:
+    """Bytes of the weight tensor `pack` makes for a float [N, K] matrix (int8's row scales apart)."""
+    n, k = shape
+    tiles = -(-n // TILE)
+    if fmt in ("fp32", "bf16"):
+        return n * k * (4 if fmt == "fp32" else 2)
+    if fmt == "int8":
+        return tiles * TILE * k
+    if fmt == "int4":
+        return tiles * k // group * q4_group_bytes(group)
+    raise ValueError(f"unknown CPU weight format {fmt!r}: use {', '.join(FORMAT_IDS)}")
+
+
+def pack(w: torch.Tensor, fmt: str, group: int = 64, bias: torch.Tensor | None = None,
+         alloc: Allocator | None = None) -> CpuMatrix:
+    """Packs a float [N, K] matrix (any float dtype) into `fmt`, its weight where `alloc` puts it (default:
+    memory of its own on huge pages, but a float matrix already in the format stays as it is: a tied LM head
+    keeps sharing the embedding table)."""
     n, k = w.shape
     bias = None if bias is None else bias.float().contiguous()
     if fmt in ("fp32", "bf16"):
         dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
-        # A matrix already in the format stays as it is (a tied LM head keeps sharing the embedding table).
-        same = w.dtype == dtype and w.is_contiguous()
-        return CpuMatrix(fmt, (n, k), w if same else huge_page_empty((n, k), dtype).copy_(w), bias=bias)
+        if alloc is None and w.dtype == dtype and w.is_contiguous():
+            return CpuMatrix(fmt, (n, k), w, bias=bias)
+        return CpuMatrix(fmt, (n, k), (alloc or huge_page_empty)((n, k), dtype).copy_(w), bias=bias)
     if fmt == "int8":
         q, scale = quantize_int8(w)
-        return from_int8(q, scale, bias)
+        return from_int8(q, scale, bias, alloc)
     if fmt == "int4":
         q, scale, zero = quantize_int4(w, group)
-        return from_int4(q, scale, zero, group, bias)
+        return from_int4(q, scale, zero, group, bias, alloc)
     raise ValueError(f"unknown CPU weight format {fmt!r}: use {', '.join(FORMAT_IDS)}")
 
 
-def from_int8(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> CpuMatrix:
+def from_int8(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+              alloc: Allocator | None = None) -> CpuMatrix:
     """q int8 [N, K] in -127..127, scale [N]: w = q * scale."""
     n, k = q.shape
     tiles = _padded(q.to(torch.int16) + 128, 128).to(torch.uint8).view(-1, TILE, k // 4, 4)
-    weight = huge_page_empty((tiles.shape[0] * TILE, k), torch.uint8)
+    weight = (alloc or huge_page_empty)((tiles.shape[0] * TILE, k), torch.uint8)
     weight.view(-1, k // 4, TILE, 4).copy_(tiles.transpose(1, 2))
     return CpuMatrix("int8", (n, k), weight, _padded(scale.float(), 0.0), bias=bias)
 
 
 def from_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
-              bias: torch.Tensor | None = None) -> CpuMatrix:
+              bias: torch.Tensor | None = None, alloc: Allocator | None = None) -> CpuMatrix:
     """q int [N, K] in 0..15, scale and zero [N, K / group]: w = (q - 8) * scale + zero."""
     n, k = q.shape
     groups = k // group
@@ -136,7 +158,7 @@ def from_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: i
     nibbles = packed.permute(0, 2, 3, 1, 4).reshape(-1, groups, group // 2 * TILE)
     pair = torch.stack((_padded(scale.float(), 0.0), _padded(zero.float(), 0.0)), dim=1)  # [N', 2, G]
     scales = pair.view(-1, TILE, 2, groups).permute(0, 3, 2, 1).to(torch.bfloat16).contiguous()  # [N/16, G, 2, 16]
-    weight = huge_page_empty((nibbles.shape[0], groups, q4_group_bytes(group)), torch.uint8)
+    weight = (alloc or huge_page_empty)((nibbles.shape[0], groups, q4_group_bytes(group)), torch.uint8)
     torch.cat((nibbles, scales.view(torch.uint8).view(-1, groups, 4 * TILE)), dim=2, out=weight)
     return CpuMatrix("int4", (n, k), weight.view(-1, groups * q4_group_bytes(group) // TILE), None, group, bias)
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from services.engine import cpu_kernels
+from services.engine.cpu_kernels.formats import Allocator, packed_nbytes
+from services.engine.host_allocator import HugePageArena
 from services.engine.models.native_linear import NativeLinear
 from services.engine.models.packed_linear import PackedLinear, should_pack
 from services.engine.models.weights import AttentionWeights, NonExpertWeights
@@ -34,27 +36,41 @@ def dense_layers(weights: NonExpertWeights, dense_format: str | None, group_size
     native = device.type == "cpu" and cpu_kernels.library() is not None
     native_format = dense_format if native else None
     pack = should_pack(str(device), dtype)
+    tied = weights.lm_head is weights.embed
+    arena = _native_arena(weights, native_format, group_size, tied) if native_format is not None else None
 
-    def linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+    def linear(weight: torch.Tensor, bias: torch.Tensor | None, alloc: Allocator | None = None) -> Linear:
         if native_format is not None:
-            return NativeLinear(weight, bias, native_format, group_size)
+            return NativeLinear(weight, bias, native_format, group_size, alloc)
         return PackedLinear(weight, bias, pack)
 
-    layers = DenseLayers(linear(weights.lm_head, None), [], [])
+    # A tied head stays out of the arena: already in its format, it keeps sharing the embedding table.
+    layers = DenseLayers(linear(weights.lm_head, None, None if tied or arena is None else arena.take), [], [])
     for layer in weights.layers:
         a = layer.attention
         if not isinstance(a, AttentionWeights):
             layers.qkv.append(None)
             layers.o.append(None)
             continue
-        layers.qkv.append(linear(torch.cat((a.q, a.k, a.v)), _cat_biases(a)))
-        o = linear(a.o, a.o_bias)
+        take = None if arena is None else arena.take
+        layers.qkv.append(linear(torch.cat((a.q, a.k, a.v)), _cat_biases(a), take))
+        o = linear(a.o, a.o_bias, take)
         layers.o.append(o)
         a.q = a.k = a.v = _RELEASED
         a.o = _RELEASED if o.weight is None else o.weight
-    if weights.lm_head is not weights.embed:  # a tied head stays row-major for the embedding's lookups
+    if not tied:  # a tied head stays row-major for the embedding's lookups
         weights.lm_head = _RELEASED if layers.lm_head.weight is None else layers.lm_head.weight
     return layers
+
+
+def _native_arena(weights: NonExpertWeights, fmt: str, group_size: int, tied: bool) -> HugePageArena:
+    """One huge-page buffer for every dense matrix the native kernels stream (host_allocator.HugePageArena)."""
+    shapes = [] if tied else [tuple(weights.lm_head.shape)]
+    for layer in weights.layers:
+        a = layer.attention
+        if isinstance(a, AttentionWeights):
+            shapes += [(a.q.shape[0] + a.k.shape[0] + a.v.shape[0], a.q.shape[1]), tuple(a.o.shape)]
+    return HugePageArena(HugePageArena.bytes_for([packed_nbytes(s, fmt, group_size) for s in shapes]))
 
 
 def _cat_biases(a: AttentionWeights) -> torch.Tensor | None:

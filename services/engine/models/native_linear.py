@@ -18,8 +18,9 @@ WEIGHT_DTYPES = ("auto", "fp32", "bf16", "int8", "int4")
 class NativeLinear:
     """y = x @ W.T + bias, W packed into a CPU weight format once (the float original can then be dropped)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, group: int) -> None:
-        self.matrix = formats.pack(weight, fmt, group, bias)
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, group: int,
+                 alloc: formats.Allocator | None = None) -> None:
+        self.matrix = formats.pack(weight, fmt, group, bias, alloc)
         self.bias = self.matrix.bias
         # What callers that want the float values get: the fp32 matrix itself, else the dequantised values
         # on demand (`float_weight`); nothing else keeps a second copy.
