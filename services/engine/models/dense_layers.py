@@ -65,11 +65,11 @@ def dense_layers(weights: NonExpertWeights, dense_format: str | None, group_size
 
 def _native_arena(weights: NonExpertWeights, fmt: str, group_size: int, tied: bool) -> HugePageArena:
     """One huge-page buffer for every dense matrix the native kernels stream (host_allocator.HugePageArena)."""
-    shapes = [] if tied else [tuple(weights.lm_head.shape)]
+    shapes: list[tuple[int, int]] = [] if tied else [(weights.lm_head.shape[0], weights.lm_head.shape[1])]
     for layer in weights.layers:
         a = layer.attention
         if isinstance(a, AttentionWeights):
-            shapes += [(a.q.shape[0] + a.k.shape[0] + a.v.shape[0], a.q.shape[1]), tuple(a.o.shape)]
+            shapes += [(a.q.shape[0] + a.k.shape[0] + a.v.shape[0], a.q.shape[1]), (a.o.shape[0], a.o.shape[1])]
     return HugePageArena(HugePageArena.bytes_for([packed_nbytes(s, fmt, group_size) for s in shapes]))
 
 
