@@ -17,6 +17,7 @@ from services.common.cpu import cpu_info
 from services.doctor import machine
 from services.doctor.model_check import check_model
 from services.doctor.recommend import recommend
+from services.engine.host_allocator import huge_page_status
 from tests.conftest import REPO_ROOT
 
 
@@ -40,6 +41,7 @@ def test_doctor_json_on_the_demo_model_within_15_seconds(demo_model_dir: str) ->
     assert 0.99 * weights < model["total_bytes"] <= weights  # the tensors: the file less its header
     assert model["all_experts_bytes"] == model["expert_bytes"] * model["moe_layers"] * model["experts_per_layer"]
     assert set(report["cpu"]["features"]) == {"avx2", "avx512", "vnni", "bf16", "amx"}
+    assert set(report["huge_pages"]) == {"mode", "weights", "why"}
     assert report["host_bandwidth_gbps"] > 0
     if not report["cuda"]:
         assert report["recommendation"]["policy"] == "resident" and report["link_gbps"] is None
@@ -141,3 +143,19 @@ def test_redis_reachable_is_reported() -> None:
     if not status["reachable"]:
         pytest.skip(f"no Redis on 127.0.0.1:6379: {status['why']}")
     assert status["ping_ms"] > 0
+
+
+@pytest.mark.parametrize(("text", "mode", "weights"), [
+    ("always [madvise] never\n", "madvise", True), ("[always] madvise never\n", "always", True),
+    ("always madvise [never]\n", "never", False), (None, None, False)])
+def test_huge_pages_report_the_kernel_mode(text: str | None, mode: str | None, weights: bool, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    mode_file = tmp_path / "enabled"
+    if text is not None:
+        mode_file.write_text(text)
+    status = huge_page_status(str(mode_file))
+    assert (status["mode"], status["weights"]) == (mode, weights)
+    assert bool(status["why"]) != weights
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
+    assert huge_page_status(str(mode_file))["why"] == "turned off by THP_MEM_ALLOC_ENABLE=0"

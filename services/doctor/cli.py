@@ -20,6 +20,7 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
     """Every probe's result and the recommendation, as one JSON-ready dict."""
     from services.common.cpu import cpu_info
     from services.doctor import machine
+    from services.engine.host_allocator import huge_page_status
 
     start = time.perf_counter()
     model = None
@@ -30,7 +31,8 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
     cpu = cpu_info()
     report: dict[str, Any] = {
         "build": machine.builds(), "cuda": machine.cuda_devices(), "cpu": cpu,
-        "native_kernels": machine.native_kernels(), "pinned_memory": machine.pinned_memory(),
+        "native_kernels": machine.native_kernels(), "huge_pages": huge_page_status(),
+        "pinned_memory": machine.pinned_memory(),
         "host_memory": machine.host_memory_gb(), "host_bandwidth_gbps": machine.host_bandwidth_gbps(),
         "link_gbps": machine.link_bandwidth_gbps(), "redis": machine.redis_status(args.redis_url),
     }
@@ -55,6 +57,7 @@ def _target(rec: dict[str, Any]) -> str:
 
 def render(report: dict[str, Any]) -> str:
     b, cpu, k, pin, mem = (report[k] for k in ("build", "cpu", "native_kernels", "pinned_memory", "host_memory"))
+    huge = report["huge_pages"]
     features = ", ".join(f"{name.upper() if name != 'avx512' else 'AVX-512'} {_yes(on)}"
                          for name, on in cpu["features"].items())
     cuda = "; ".join(f"{d['index']}: {d['name']}, {d['memory_gb']:.1f} GB, sm {d['capability']}"
@@ -65,6 +68,8 @@ def render(report: dict[str, Any]) -> str:
         f"cuda         {cuda}",
         f"cpu          {cpu['model']}, {cpu['cores']} cores; {features}",
         f"kernels      {'built' if k['built'] else 'not built'} ({k['why']})",
+        "huge pages   " + (f"weights on huge pages (THP mode {huge['mode']!r})" if huge["weights"]
+                           else f"weights on 4 KB pages: {huge['why']} (CPU kernels guide: Huge pages)"),
         f"pinned       {'available' if pin['available'] else 'not available: ' + pin['why']}",
         f"host memory  {mem['total_gb']:.1f} GB, {mem['available_gb']:.1f} GB available; "
         f"copy bandwidth {report['host_bandwidth_gbps']:.1f} GB/s",

@@ -77,6 +77,24 @@ def loading_weights() -> Iterator[None]:
 
 
 HUGE_PAGE_BYTES = 2 << 20
+THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def huge_page_status(mode_file: str = THP_MODE_FILE) -> dict[str, str | bool | None]:
+    """Whether the weights the kernels stream get huge pages here (hintserve doctor): the kernel's THP mode
+    (the bracketed word of `mode_file`; None where there is none) and whether huge_page_empty advises them."""
+    try:
+        with open(mode_file) as f:
+            text = f.read()
+        mode: str | None = text[text.index("[") + 1 : text.index("]")]
+    except (OSError, ValueError):
+        mode = None
+    off = os.environ.get("THP_MEM_ALLOC_ENABLE") == "0"
+    advised = not off and hasattr(mmap, "MADV_HUGEPAGE") and mode in ("madvise", "always")
+    why = ("turned off by THP_MEM_ALLOC_ENABLE=0" if off else "no transparent huge pages here" if mode is None
+           else f"THP mode {mode!r}: weights stream on 4 KB pages" if mode == "never"
+           else "" if advised else "no madvise(MADV_HUGEPAGE) on this OS")
+    return {"mode": mode, "weights": advised, "why": why}
 
 
 def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
