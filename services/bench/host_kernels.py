@@ -127,8 +127,9 @@ def dense_copies(fmt: str, shape: tuple[int, int], gen: torch.Generator, cycle_b
     bases = [torch.randn(*shape, generator=gen) / shape[1] ** 0.5 for _ in range(_UNIQUE)]
     if cpu_kernels.library() is not None:
         # All copies in one arena, as the engine packs a model's dense matrices (dense_layers).
-        count = _count(cpu_formats.packed_nbytes(shape, fmt, GROUP_SIZE), cycle_bytes)
-        arena = HugePageArena(HugePageArena.bytes_for([cpu_formats.packed_nbytes(shape, fmt, GROUP_SIZE)] * count))
+        weight_bytes = cpu_formats.packed_nbytes(shape, fmt, GROUP_SIZE)
+        count = _count(weight_bytes, cycle_bytes)
+        arena = HugePageArena(HugePageArena.bytes_for([weight_bytes] * count))
         layers = [NativeLinear(b, None, fmt, GROUP_SIZE, arena.take) for b in bases]
         layers += [_copy(layers[i % _UNIQUE], arena.take) for i in range(_UNIQUE, count)]
         return layers, layers[0].nbytes

@@ -80,6 +80,13 @@ HUGE_PAGE_BYTES = 2 << 20
 THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
+def _why_not_advised() -> str:
+    """Why huge_page_empty would not advise huge pages whatever the kernel's mode ("" when it would)."""
+    if os.environ.get("THP_MEM_ALLOC_ENABLE") == "0":
+        return "turned off by THP_MEM_ALLOC_ENABLE=0"
+    return "" if hasattr(mmap, "MADV_HUGEPAGE") else "no madvise(MADV_HUGEPAGE) on this OS"
+
+
 def huge_page_status(mode_file: str = THP_MODE_FILE) -> dict[str, str | bool | None]:
     """Whether the weights the kernels stream get huge pages here (hintserve doctor): the kernel's THP mode
     (the bracketed word of `mode_file`; None where there is none) and whether huge_page_empty advises them."""
@@ -89,12 +96,9 @@ def huge_page_status(mode_file: str = THP_MODE_FILE) -> dict[str, str | bool | N
         mode: str | None = text[text.index("[") + 1 : text.index("]")]
     except (OSError, ValueError):
         mode = None
-    off = os.environ.get("THP_MEM_ALLOC_ENABLE") == "0"
-    advised = not off and hasattr(mmap, "MADV_HUGEPAGE") and mode in ("madvise", "always")
-    why = ("turned off by THP_MEM_ALLOC_ENABLE=0" if off else "no transparent huge pages here" if mode is None
-           else f"THP mode {mode!r}: weights stream on 4 KB pages" if mode == "never"
-           else "" if advised else "no madvise(MADV_HUGEPAGE) on this OS")
-    return {"mode": mode, "weights": advised, "why": why}
+    why = _why_not_advised() or ("no transparent huge pages here" if mode is None
+                                 else f"THP mode {mode!r}: weights stream on 4 KB pages" if mode == "never" else "")
+    return {"mode": mode, "weights": not why, "why": why}
 
 
 def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -109,7 +113,7 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     where THP_MEM_ALLOC_ENABLE=0 or the OS has no madvise(MADV_HUGEPAGE): then plain torch.empty."""
     numel = math.prod(shape)
     nbytes = numel * dtype.itemsize
-    if nbytes < HUGE_PAGE_BYTES or os.environ.get("THP_MEM_ALLOC_ENABLE") == "0" or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if nbytes < HUGE_PAGE_BYTES or _why_not_advised():
         return torch.empty(shape, dtype=dtype)
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     start = -ctypes.addressof(ctypes.c_char.from_buffer(mapping)) % HUGE_PAGE_BYTES

@@ -38,6 +38,7 @@ def dense_layers(weights: NonExpertWeights, dense_format: str | None, group_size
     pack = should_pack(str(device), dtype)
     tied = weights.lm_head is weights.embed
     arena = _native_arena(weights, native_format, group_size, tied) if native_format is not None else None
+    take = arena.take if arena is not None else None
 
     def linear(weight: torch.Tensor, bias: torch.Tensor | None, alloc: Allocator | None = None) -> Linear:
         if native_format is not None:
@@ -45,14 +46,13 @@ def dense_layers(weights: NonExpertWeights, dense_format: str | None, group_size
         return PackedLinear(weight, bias, pack)
 
     # A tied head stays out of the arena: already in its format, it keeps sharing the embedding table.
-    layers = DenseLayers(linear(weights.lm_head, None, None if tied or arena is None else arena.take), [], [])
+    layers = DenseLayers(linear(weights.lm_head, None, None if tied else take), [], [])
     for layer in weights.layers:
         a = layer.attention
         if not isinstance(a, AttentionWeights):
             layers.qkv.append(None)
             layers.o.append(None)
             continue
-        take = None if arena is None else arena.take
         layers.qkv.append(linear(torch.cat((a.q, a.k, a.v)), _cat_biases(a), take))
         o = linear(a.o, a.o_bias, take)
         layers.o.append(o)

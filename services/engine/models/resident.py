@@ -34,9 +34,9 @@ def load_resident_experts(
     fused: bool = True,
 ) -> ResidentExpertProvider:
     """Every expert on the device, as read or (with a quantized `layout`) packed; on the CPU into one buffer a
-    layer (_layer_buffer). On the
-    CPU with the native kernels built, each layer runs in one native call on the experts as they are; else
-    dense experts are stacked for the fused MoE path (the per-expert weights become views: one copy either way)."""
+    layer (_layer_buffer). On the CPU with the native kernels built, each layer runs in one native call on the
+    experts as they are; else dense experts are stacked for the fused MoE path (the per-expert weights become
+    views: one copy either way)."""
     experts: list[list[ExpertWeights | QuantizedExpertWeights] | None] = []
     stacks: list[StackedExperts | None] = []
     natives: list[NativeExperts | None] = []
