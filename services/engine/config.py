@@ -18,7 +18,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto: float32 on CPU (bf16 matmuls are slow there), checkpoint dtype on CUDA
     device: str = "cpu"
     max_num_seqs: int = 32  # sequences in the running batch at most (the rest wait)
-    max_num_batched_tokens: int = 2048  # prompt and decode tokens in one step at most
+    max_num_batched_tokens: int = 2048  # prompt tokens one step computes at most; longer prompts prefill in chunks
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 4096
     block_size: int = 32  # tokens per KV block: decode gathers whole blocks, and 2 KB runs (16) ran 2.4x slower cold
     kv_cache_mb: int | None = None  # None: enough blocks for max_num_seqs full-length sequences, capped

@@ -43,7 +43,6 @@ class EngineLimits:
 
     vocab_size: int
     max_model_len: int
-    max_num_batched_tokens: int
     block_size: int
     num_kv_blocks: int
 
@@ -83,10 +82,6 @@ class InputProcessor:
         if not ids:
             raise InvalidRequestError("prompt tokenizes to zero tokens")
         check_context_length(len(ids), params.max_tokens, limits.max_model_len)
-        if len(ids) > limits.max_num_batched_tokens:
-            raise InvalidRequestError(
-                f"prompt of {len(ids)} tokens exceeds max_num_batched_tokens={limits.max_num_batched_tokens}"
-            )
         seq = Sequence(request_id, ids, params, limits.block_size)
         blocks = math.ceil((len(ids) + params.max_tokens) / limits.block_size)
         if blocks > limits.num_kv_blocks:

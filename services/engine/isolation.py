@@ -23,14 +23,15 @@ class EngineLoopError(RuntimeError):
 
 
 class StepIsolator:
-    def __init__(self, run: Callable[[list[Sequence], bool], list[int]]) -> None:
+    def __init__(self, run: Callable[[list[Sequence], bool], list[int | None]]) -> None:
         self.run = run
         self.failed_steps_in_a_row = 0
 
     def step(
         self, seqs: list[Sequence], is_prefill: bool
-    ) -> tuple[list[tuple[Sequence, int]], list[tuple[Sequence, str]]]:
-        """(sequence, token) for those that ran, (sequence, error message) for those that failed."""
+    ) -> tuple[list[tuple[Sequence, int | None]], list[tuple[Sequence, str]]]:
+        """(sequence, token) for those that ran (None: a prefill chunk with more to come), (sequence, error
+        message) for those that failed."""
         try:
             tokens = self.run(seqs, is_prefill)
         except Exception as batch_error:  # a rare path: the common one costs one try block per step
@@ -48,7 +49,7 @@ class StepIsolator:
 
     def _one_by_one(
         self, seqs: list[Sequence], is_prefill: bool, batch_error: Exception
-    ) -> tuple[list[tuple[Sequence, int]], list[tuple[Sequence, str]]]:
+    ) -> tuple[list[tuple[Sequence, int | None]], list[tuple[Sequence, str]]]:
         if len(seqs) == 1:
             log.warning("request %s failed in the step: %r", seqs[0].request_id, batch_error)
             return [], [(seqs[0], _describe(batch_error))]

@@ -100,7 +100,6 @@ class LLMEngine:
         self.limits = EngineLimits(
             self.spec.vocab_size,
             self.max_model_len,
-            config.max_num_batched_tokens,
             config.block_size,
             self.block_manager.num_blocks,
         )
@@ -178,16 +177,19 @@ class LLMEngine:
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             return []
+        num_tokens = sum(s.num_scheduled_tokens for s in seqs) if is_prefill else len(seqs)
         start = time.perf_counter()
         done, failed = self.isolator.step(seqs, is_prefill)
         elapsed = time.perf_counter() - start
         kind = "prefill" if is_prefill else "decode"
         self.counters[f"{kind}_steps_total"] += 1
         self.counters[f"{kind}_seconds_total"] += elapsed
-        self.counters[f"{kind}_tokens_total"] += sum(len(s) for s in seqs) if is_prefill else len(seqs)
+        self.counters[f"{kind}_tokens_total"] += num_tokens
         outputs = [self._fail(seq, message) for seq, message in failed]
         now = time.monotonic()
         for seq, token in done:
+            if token is None:  # a prefill chunk with more of the prompt to come
+                continue
             seq.append_token(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
@@ -52,15 +53,34 @@ class ModelRunner:
         graphs.capture()
         self.graphs = graphs
 
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int | None]:
+        """One token per sequence, None for a prompt whose prefill chunk leaves the rest for later steps."""
         step = self.num_steps
         self.num_steps += 1  # counted even if the step fails (the isolator may retry it)
-        logits = None if is_prefill else self._replay_decode(seqs)
+        if is_prefill:
+            return self._run_prefill(seqs, step)
+        logits = self._replay_decode(seqs)
         if logits is None:
-            logits = self._forward(seqs, is_prefill, step)
+            logits = self._forward(seqs, False, step)
+        tokens = cast("list[int | None]", sample(logits.cpu(), seqs, self.eos_ids, self.generator))
         for seq in seqs:
             seq.num_cached_tokens = len(seq)
-        return sample(logits.cpu(), seqs, self.eos_ids, self.generator)
+        return tokens
+
+    def _run_prefill(self, seqs: list[Sequence], step: int) -> list[int | None]:
+        """Samples only the sequences whose chunk ends their prompt (every sequence's last row is computed)."""
+        ends = [_chunk_end(s) for s in seqs]
+        logits = self._forward(seqs, True, step)
+        sampled = [i for i, (s, end) in enumerate(zip(seqs, ends)) if end == len(s)]
+        if len(sampled) < len(seqs):
+            logits = logits[sampled]
+        tokens = sample(logits.cpu(), [seqs[i] for i in sampled], self.eos_ids, self.generator)
+        for seq, end in zip(seqs, ends):  # only now: a step that raised leaves its chunks to rerun
+            seq.num_cached_tokens = end
+        out: list[int | None] = [None] * len(seqs)
+        for i, token in zip(sampled, tokens):
+            out[i] = token
+        return out
 
     def _replay_decode(self, seqs: list[Sequence]) -> torch.Tensor | None:
         """A decode step's logits from a CUDA graph; None where the step must run eagerly (no graphs, an
@@ -85,6 +105,7 @@ class ModelRunner:
             step_index=step,
             seq_lens=meta.seq_lens,
             iterations=[s.num_completion_tokens for s in seqs],
+            cached_lens=[s.num_cached_tokens for s in seqs] if is_prefill else [],
             layer_observers=self.layer_observers,
             keep_layer_inputs=self.keep_layer_inputs,
         )
@@ -98,20 +119,29 @@ class ModelRunner:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def _prepare_prefill(self, seqs: list[Sequence]):
+        """Each sequence's scheduled chunk of uncached tokens; where a chunk follows cached ones, the slots of
+        its whole context too (attention reads those keys and values from the cache)."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         seq_lens: list[int] = []
         last: list[int] = []
+        context_slots: list[int] = []
         bm = self.block_manager
+        chunked = any(seq.num_cached_tokens for seq in seqs)
         for seq in seqs:
-            n = len(seq)
-            input_ids.extend(seq.token_ids)
-            positions.extend(range(n))
-            slots.extend(bm.slot(seq, p) for p in range(n))
-            seq_lens.append(n)
+            start, end = seq.num_cached_tokens, _chunk_end(seq)
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(bm.slot(seq, p) for p in range(start, end))
+            seq_lens.append(end - start)
             last.append(len(input_ids) - 1)
+            if chunked:
+                context_slots.extend(bm.slot(seq, p) for p in range(end))
         meta = AttentionMetadata(is_prefill=True, slot_mapping=self._tensor(slots), seq_lens=seq_lens)
+        if chunked:
+            meta.prefill_kv_lens = [_chunk_end(s) for s in seqs]
+            meta.prefill_kv_slots = self._tensor(context_slots)
         return self._tensor(input_ids), self._tensor(positions), meta, self._tensor(last)
 
     def _prepare_decode(self, seqs: list[Sequence]):
@@ -136,3 +166,9 @@ class ModelRunner:
         positions = [len(s) - 1 for s in seqs]
         slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
         return positions, slots, [s.block_table for s in seqs]
+
+
+def _chunk_end(seq: Sequence) -> int:
+    """Where the scheduled prefill chunk of `seq` ends (the whole rest when none was set)."""
+    n = seq.num_scheduled_tokens
+    return len(seq) if n <= 0 else min(len(seq), seq.num_cached_tokens + n)

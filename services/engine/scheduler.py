@@ -1,4 +1,10 @@
-"""Continuous batching: waiting and running queues, one prefill or decode batch per step (nano-vllm style)."""
+"""Continuous batching: waiting and running queues, one prefill or decode batch per step (nano-vllm style).
+
+Chunked prefill: a step computes at most max_num_batched_tokens prompt tokens. A prompt longer than what is
+left of that budget prefills a chunk, keeps its KV blocks and stays at the head of the queue; it joins the
+running sequences once its last chunk samples its first token. Between its chunks the running sequences
+take a decode step, so a long prompt delays the others' next token by one chunk, not by its whole prefill.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self._decode_next = False  # the last step prefilled a chunk of a prompt: let the running decode first
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -24,24 +31,43 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> tuple[list[Sequence], bool]:
-        """The next batch and whether it is a prefill. Prefills go first so new requests join quickly."""
+        """The next batch and whether it is a prefill. Prefills go first so new requests join quickly, but a
+        step after a partial prefill decodes (module docstring). Each prefill sequence's num_scheduled_tokens
+        says how many of its uncached prompt tokens the step computes."""
         scheduled: list[Sequence] = []
-        num_tokens = 0
-        while self.waiting and len(self.running) + len(scheduled) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if num_tokens + len(seq) > self.max_num_batched_tokens and scheduled:
-                break
-            if not self.block_manager.can_allocate(seq):
-                break
-            self.waiting.popleft()
-            self.block_manager.allocate(seq)
-            seq.status = SequenceStatus.RUNNING
-            num_tokens += len(seq)
-            scheduled.append(seq)
+        if not (self._decode_next and self.running):
+            scheduled = self._schedule_prefill()
+        self._decode_next = bool(scheduled) and self.is_partial(scheduled[-1])
         if scheduled:
-            self.running.extend(scheduled)
+            self.running.extend(s for s in scheduled if not self.is_partial(s))
             return scheduled, True
+        return self._schedule_decode(), False
 
+    def _schedule_prefill(self) -> list[Sequence]:
+        scheduled: list[Sequence] = []
+        budget = self.max_num_batched_tokens
+        while self.waiting and budget > 0 and len(self.running) + len(scheduled) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:  # a new (or preempted) sequence: blocks for its whole prompt up front
+                if not self.block_manager.can_allocate(seq):
+                    break
+                self.block_manager.allocate(seq)
+            seq.num_scheduled_tokens = min(seq.num_uncached_tokens, budget)
+            budget -= seq.num_scheduled_tokens
+            scheduled.append(seq)
+            if self.is_partial(seq):
+                break  # it stays at the head, holding its blocks, for the next prefill step
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+        return scheduled
+
+    @staticmethod
+    def is_partial(seq: Sequence) -> bool:
+        """Whether the scheduled prefill chunk leaves prompt tokens for a later step."""
+        return seq.num_scheduled_tokens < seq.num_uncached_tokens
+
+    def _schedule_decode(self) -> list[Sequence]:
+        scheduled: list[Sequence] = []
         while self.running:
             seq = self.running.popleft()
             while not self.block_manager.can_append(seq):
@@ -54,21 +80,23 @@ class Scheduler:
                 self.block_manager.append_slot(seq)
                 scheduled.append(seq)
         self.running.extendleft(reversed(scheduled))
-        return scheduled, False
+        return scheduled
 
     def _preempt(self, seq: Sequence) -> None:
-        """Frees the sequence's blocks; it is recomputed from its tokens when blocks free up."""
+        """Frees the sequence's blocks; it is recomputed from its tokens when blocks free up. It queues behind
+        a prompt halfway through its prefill, which holds blocks for the rest and must finish first."""
         self.num_preemptions += 1
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self.waiting.insert(1 if self.waiting and self.waiting[0].block_table else 0, seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.block_manager.free(seq)
-        if seq in self.running:
-            self.running.remove(seq)
+        for queue in (self.running, self.waiting):  # waiting: a prompt whose prefill chunk failed
+            if seq in queue:
+                queue.remove(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
         for queue in (self.waiting, self.running):

@@ -37,6 +37,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_cached_tokens = 0  # tokens whose K/V are in the cache
+        self.num_scheduled_tokens = 0  # prompt tokens the scheduled prefill step computes (0: all left)
         self.finish_reason: str | None = None
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
@@ -59,6 +60,10 @@ class Sequence:
     @property
     def last_token_id(self) -> int:
         return self.token_ids[-1]
+
+    @property
+    def num_uncached_tokens(self) -> int:
+        return len(self.token_ids) - self.num_cached_tokens
 
     @property
     def num_blocks_needed(self) -> int:

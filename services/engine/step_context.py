@@ -22,6 +22,8 @@ class StepContext:
     step_index: int = 0
     seq_lens: list[int] = field(default_factory=list)  # tokens per request in this step, in batch order
     iterations: list[int] = field(default_factory=list)  # per request: 0 = prefill, n = n-th decode step
+    # per request: tokens already cached before this step's (a chunked prefill's later chunks; empty: none)
+    cached_lens: list[int] = field(default_factory=list)
     # Filled layer by layer as the step runs, for prefetchers and trace recording.
     embeddings: torch.Tensor | None = None  # [tokens, hidden]: the step's input embeddings (semantic key)
     router_probs: dict[int, torch.Tensor] = field(default_factory=dict)

@@ -33,8 +33,12 @@ class TraceRecorder:
                 s = slice(rec.token_offsets[i], rec.token_offsets[i + 1])
                 it.layer_inputs = inputs[s]
                 it.token_experts = selected[s].astype(np.uint8)
-            # A preempted request recomputes its prefix: the later record of an iteration replaces the earlier.
-            self.iterations.setdefault(rid, {})[int(iteration)] = it
+            # A preempted request recomputes its prefix: the later record of an iteration replaces the earlier;
+            # a chunked prefill's later chunks (after cached tokens) add to it.
+            records = self.iterations.setdefault(rid, {})
+            earlier = records.get(int(iteration))
+            chunk = bool(ctx.cached_lens) and ctx.cached_lens[i] > 0
+            records[int(iteration)] = merge_chunks(earlier, it) if chunk and earlier is not None else it
 
     def requests(self, order: list[str]) -> list[RequestTrace]:
         out = []
@@ -42,3 +46,17 @@ class TraceRecorder:
             its = self.iterations.get(rid, {})
             out.append(RequestTrace(rid, [its[i] for i in sorted(its)], "engine"))
         return out
+
+
+def merge_chunks(first: TracedIteration, then: TracedIteration) -> TracedIteration:
+    """One iteration from two chunks of its tokens: counts add, token means weigh by each chunk's tokens."""
+    n, m = first.num_tokens, then.num_tokens
+    out = TracedIteration(
+        first.request_id, first.iteration, (first.probs * n + then.probs * m) / (n + m), first.counts + then.counts,
+        (first.embedding * n + then.embedding * m) / (n + m), num_tokens=n + m,
+    )
+    if first.layer_inputs is not None and then.layer_inputs is not None:
+        out.layer_inputs = np.concatenate([first.layer_inputs, then.layer_inputs])
+    if first.token_experts is not None and then.token_experts is not None:
+        out.token_experts = np.concatenate([first.token_experts, then.token_experts])
+    return out

@@ -23,6 +23,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens]: KV-cache slot each new token writes
     # Prefill: each sequence's tokens are contiguous in the batch and attend causally to themselves.
     seq_lens: list[int]
+    # Chunked prefill (a chunk after cached tokens): each sequence's context length (cached and new tokens), and
+    # the cache slots of those contexts laid end to end; attention reads their keys and values from the cache.
+    prefill_kv_lens: list[int] | None = None
+    prefill_kv_slots: torch.Tensor | None = None
     # Decode: one token per sequence; context gathered from the cache by whole blocks (padded to a block).
     block_tables: torch.Tensor | None = None  # [batch, max_blocks]
     block_size: int = 0
@@ -109,13 +113,42 @@ def write_kv(
     v_cache.index_copy_(1, slots, v.transpose(0, 1))
 
 
+def cached_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [len(slots), Hkv, D] of those cache slots, in their order."""
+    return k_cache.index_select(1, slots).transpose(0, 1), v_cache.index_select(1, slots).transpose(0, 1)
+
+
 def prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int], scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int], scale: float,
+    kv_lens: list[int] | None = None,
 ) -> torch.Tensor:
-    """q: [T, Hq, D], k/v: [T, Hkv, D] for sequences laid end to end; causal within each sequence."""
+    """q: [T, Hq, D], k/v: [T, Hkv, D] for sequences laid end to end; causal within each sequence.
+    kv_lens (chunked prefill): each sequence's keys, its queries being the last seq_lens of them."""
     threads = cpu_kernels.pool_threads() if q.is_cpu and q.shape[0] >= SHARED_ATTENTION_TOKENS else None
     with intra_op_threads(threads):
+        if kv_lens is not None and kv_lens != seq_lens:
+            return _chunk_attention(q, k, v, seq_lens, kv_lens, scale)
         return _causal_attention(q, k, v, seq_lens, scale)
+
+
+def _chunk_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: list[int], kv_lens: list[int], scale: float
+) -> torch.Tensor:
+    """Query i of a sequence with n queries and m keys sits at position m - n + i and sees keys up to it."""
+    outputs = []
+    q_start = kv_start = 0
+    for n, m in zip(q_lens, kv_lens):
+        qs = q[q_start : q_start + n].transpose(0, 1).unsqueeze(0)
+        ks = k[kv_start : kv_start + m].transpose(0, 1).unsqueeze(0)
+        vs = v[kv_start : kv_start + m].transpose(0, 1).unsqueeze(0)
+        mask = None if n == m else torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n)
+        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                             enable_gqa=True)
+        outputs.append(out[0].transpose(0, 1))
+        q_start, kv_start = q_start + n, kv_start + m
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
 
 
 def _causal_attention(

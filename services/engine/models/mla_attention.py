@@ -66,7 +66,7 @@ def mla_attention(
     latent_cache.index_copy_(0, meta.slot_mapping, torch.cat((latent, k_rope[:, 0]), dim=-1))
 
     if meta.is_prefill:
-        out = _prefill(q_nope, q_rope, latent, k_rope, w, mla, meta, spec.softmax_scale)
+        out = _prefill(q_nope, q_rope, latent, k_rope, latent_cache, w, mla, meta, spec.softmax_scale)
     else:
         out = _decode(q_nope, q_rope, latent_cache, w, mla, meta, spec.softmax_scale)
     return F.linear(out.reshape(tokens, -1), w.o, w.o_bias)
@@ -77,18 +77,24 @@ def _prefill(
     q_rope: torch.Tensor,
     latent: torch.Tensor,
     k_rope: torch.Tensor,
+    latent_cache: torch.Tensor,
     w: MlaWeights,
     mla: MlaDims,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Per-head keys [T, H, qk_head_dim] and values [T, H, v_head_dim] from the latents; causal attention."""
-    tokens, heads = q_nope.shape[:2]
-    kv = F.linear(latent, w.kv_b).view(tokens, heads, mla.qk_nope_head_dim + mla.v_head_dim)
+    """Per-head keys [T, H, qk_head_dim] and values [T, H, v_head_dim] from the latents; causal attention. A
+    chunk after cached tokens (chunked prefill) expands its whole context's latents, read from the cache."""
+    heads = q_nope.shape[1]
+    if meta.prefill_kv_slots is not None:
+        context = latent_cache.index_select(0, meta.prefill_kv_slots)
+        latent, k_rope = context.split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+        k_rope = k_rope.unsqueeze(1)
+    kv = F.linear(latent, w.kv_b).view(latent.shape[0], heads, mla.qk_nope_head_dim + mla.v_head_dim)
     k_nope, v = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
     k = torch.cat((k_nope, k_rope.expand(-1, heads, -1)), dim=-1)
     q = torch.cat((q_nope, q_rope), dim=-1)
-    return prefill_attention(q, k, v, meta.seq_lens, scale)
+    return prefill_attention(q, k, v, meta.seq_lens, scale, meta.prefill_kv_lens)
 
 
 def _decode(

@@ -13,6 +13,7 @@ from services.engine.models.attention import (
     AttentionMetadata,
     add_rms_norm,
     apply_rope,
+    cached_kv,
     decode_attention,
     last_token_attention,
     prefill_attention,
@@ -259,11 +260,15 @@ class MoECausalLM:
         tokens = q.shape[0]
         if not written:
             write_kv(self.k_caches[i], self.v_caches[i], k, v, meta.slot_mapping)
+        kv_lens = meta.seq_lens
+        if meta.prefill_kv_slots is not None:  # a chunk after cached tokens: every key from the cache
+            k, v = cached_kv(self.k_caches[i], self.v_caches[i], meta.prefill_kv_slots)
+            kv_lens = meta.prefill_kv_lens or kv_lens
         if output_rows is not None:
             tokens = output_rows.shape[0]
-            out = last_token_attention(q.index_select(0, output_rows), k, v, meta.seq_lens, self.scale)
+            out = last_token_attention(q.index_select(0, output_rows), k, v, kv_lens, self.scale)
         elif meta.is_prefill:
-            out = prefill_attention(q, k, v, meta.seq_lens, self.scale)
+            out = prefill_attention(q, k, v, meta.seq_lens, self.scale, kv_lens)
         else:
             out = decode_attention(q, self.k_caches[i], self.v_caches[i], meta, self.scale)
         o_proj = self.o[i]
