@@ -88,6 +88,8 @@ HEADLINES = (
              _vs_llamacpp),
     Headline("The same on a Zen 4 with AVX-512 hidden (AVX2 loops)", "vs_llamacpp_zen4_avx2.json",
              "benchmarks/cpu-real-shape.md", _vs_llamacpp),
+    Headline("The same on a Zen 5 (full-width AVX-512)", "vs_llamacpp_zen5.json",
+             "benchmarks/cpu-real-shape.md", _vs_llamacpp),
     Headline("The same on an Intel Xeon (AVX-512 with VNNI and BF16)", "vs_llamacpp_xeon_bf16.json",
              "benchmarks/cpu-real-shape.md", _vs_llamacpp),
     Headline("The same on an Intel Xeon with AMX tiles (bf16 and int8 prefill on them)", "vs_llamacpp_xeon_amx.json",
