@@ -58,6 +58,18 @@ def test_packed_grids_are_the_groupwise_quantisers() -> None:
     assert formats.pack(w, "int4", 64).nbytes < formats.pack(w, "int8").nbytes < formats.pack(w, "bf16").nbytes
 
 
+def test_packing_by_blocks_of_rows_is_packing_the_whole_matrix() -> None:
+    """pack quantizes PACK_BLOCK_ROWS rows at a time (a bounded transient): the bytes are the whole matrix's,
+    the last block's padding to a tile included."""
+    w = torch.randn(2 * formats.PACK_BLOCK_ROWS + 7, 128, dtype=torch.bfloat16)
+    whole4 = formats.from_int4(*quantize_int4(w, 64), 64)
+    blocks4 = formats.pack(w, "int4", 64)
+    assert torch.equal(blocks4.weight, whole4.weight) and blocks4.weight.shape == whole4.weight.shape
+    whole8, blocks8 = formats.from_int8(*quantize_int8(w)), formats.pack(w, "int8")
+    assert torch.equal(blocks8.weight, whole8.weight) and blocks8.scales is not None and whole8.scales is not None
+    assert torch.equal(blocks8.scales, whole8.scales)
+
+
 def test_an_int4_tile_is_one_stream_each_groups_scales_after_its_nibbles() -> None:
     """Row i's scale and zero of group j lie right after that group's nibbles in its tile (no second stream)."""
     n, k, group = 40, 192, 64

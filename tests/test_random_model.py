@@ -96,3 +96,29 @@ def test_deepseek_build_loads_in_both(tmp_path) -> None:
 def test_bad_random_builds_exit_2(extra: list[str], tmp_path, capsys) -> None:
     assert main(["demo-model", "build", *extra, "--vocab-size", "512", "--out", str(tmp_path / "x")]) == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_quantized_experts_are_read_as_stored_and_pack_the_same(qwen3_dir: str, monkeypatch) -> None:
+    """Experts that a layout quantizes are read in the checkpoint's bf16, not widened to the run dtype first
+    (the load's peak held a float32 copy); the packed bytes are the same either way."""
+    from services.engine.models import resident
+    from services.engine.models.weights import WeightReader, expert_loader
+    from services.engine.quant.checkpoint import open_checkpoint
+    from services.engine.quant.layout import ExpertLayout, converts, expert_layout
+
+    spec = spec_from_config(AutoConfig.from_pretrained(qwen3_dir))
+    reader = WeightReader(open_checkpoint(qwen3_dir, None), torch.float32, "cpu")
+    assert expert_loader(reader, spec, 0, as_stored=True)(0, "cpu").gate_up.dtype == torch.bfloat16
+    assert expert_loader(reader, spec, 0)(0, "cpu").gate_up.dtype == torch.float32
+    int4 = expert_layout(2048, spec.moe_intermediate_size, "int4", 64, torch.float32, "cpu")
+    assert converts(int4, torch.float32) and converts(ExpertLayout(2048, 768, torch.bfloat16), torch.float32)
+    assert not converts(ExpertLayout(2048, 768, torch.float32), torch.float32) and not converts(None, torch.float32)
+
+    def packed_experts() -> list[torch.Tensor]:
+        provider = resident.load_resident_experts(reader, spec, int4)
+        return [m.qweight.clone() for w in provider._experts[0] for m in (w.gate_up, w.down)]
+
+    as_stored = packed_experts()
+    monkeypatch.setattr(resident, "converts", lambda layout, dtype: False)
+    widened = packed_experts()
+    assert all(torch.equal(a, b) for a, b in zip(as_stored, widened))

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 FORMAT_IDS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3}
 TILE = 16  # rows.c's TILE: weight rows interleaved per tile (int8, int4)
+PACK_BLOCK_ROWS = 256  # rows `pack` quantizes at a time (a multiple of TILE)
 
 
 def q4_group_bytes(group: int) -> int:
@@ -129,13 +130,34 @@ def pack(w: torch.Tensor, fmt: str, group: int = 64, bias: torch.Tensor | None =
         if alloc is None and w.dtype == dtype and w.is_contiguous():
             return CpuMatrix(fmt, (n, k), w, bias=bias)
         return CpuMatrix(fmt, (n, k), (alloc or huge_page_empty)((n, k), dtype).copy_(w), bias=bias)
-    if fmt == "int8":
-        q, scale = quantize_int8(w)
-        return from_int8(q, scale, bias, alloc)
-    if fmt == "int4":
-        q, scale, zero = quantize_int4(w, group)
-        return from_int4(q, scale, zero, group, bias, alloc)
+    if fmt in ("int8", "int4"):
+        return _pack_quantized(w, fmt, group, bias, alloc)
     raise ValueError(f"unknown CPU weight format {fmt!r}: use {', '.join(FORMAT_IDS)}")
+
+
+def _pack_quantized(w: torch.Tensor, fmt: str, group: int, bias: torch.Tensor | None,
+                    alloc: Allocator | None) -> CpuMatrix:
+    """int8 or int4, PACK_BLOCK_ROWS rows at a time, each block's tiles straight into its rows of one weight
+    tensor (a tile is a run of whole rows). Why: quantizing a whole matrix held a few float copies of it at once,
+    the load's peak (a Qwen3-30B-A3B expert's gate/up: 30 MB over the resident int4 weights)."""
+    n, k = w.shape
+    rows = -(-n // TILE) * TILE
+    weight = (alloc or huge_page_empty)((rows, packed_nbytes((n, k), fmt, group) // rows), torch.uint8)
+    scales = []
+    for r0 in range(0, n, PACK_BLOCK_ROWS):
+        block = w[r0 : r0 + PACK_BLOCK_ROWS]
+        into = weight[r0 : r0 + -(-block.shape[0] // TILE) * TILE]
+
+        def place(shape: tuple[int, ...], dtype: torch.dtype, into: torch.Tensor = into) -> torch.Tensor:
+            return into.view(dtype).view(shape)
+
+        if fmt == "int8":
+            scales.append(from_int8(*quantize_int8(block), alloc=place).scales)
+        else:
+            from_int4(*quantize_int4(block, group), group, alloc=place)
+    if fmt == "int8":
+        return CpuMatrix("int8", (n, k), weight, torch.cat([s for s in scales if s is not None]), bias=bias)
+    return CpuMatrix("int4", (n, k), weight, None, group, bias)
 
 
 def from_int8(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,

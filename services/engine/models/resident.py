@@ -14,7 +14,7 @@ from services.engine.models.native_moe import NativeExperts
 from services.engine.models.packed_linear import should_pack
 from services.engine.models.spec import ModelSpec
 from services.engine.models.weights import WeightReader, expert_loader
-from services.engine.quant.layout import StoredLayout
+from services.engine.quant.layout import StoredLayout, converts
 from services.engine.quant.packed import QuantizedExpertWeights
 
 # Resident routed experts are prepacked for oneDNN (a second copy) only up to this many bytes in all: the demo
@@ -51,7 +51,7 @@ def load_resident_experts(
             stacks.append(None)
             natives.append(None)
             continue
-        load = expert_loader(reader, spec, layer)
+        load = expert_loader(reader, spec, layer, as_stored=converts(layout, reader.dtype))
         packed = _layer_buffer(layout, spec.num_experts, reader.device)
         layer_experts = [_place(load(e, reader.device), layout, reader.device, packed, e)
                          for e in range(spec.num_experts)]

@@ -89,10 +89,13 @@ class WeightReader:
         self.device = device
 
     def tensor(
-        self, name: str, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+        self, name: str, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+        as_stored: bool = False,
     ) -> torch.Tensor:
+        """as_stored: a float tensor keeps the checkpoint's dtype (what a layout packs anew needs no wider copy)."""
         t = self.ckpt.get(name)
-        return t.to(device=device or self.device, dtype=dtype or self.dtype).contiguous()
+        keep = as_stored and t.dtype.is_floating_point and t.dtype.itemsize > 1
+        return t.to(device=device or self.device, dtype=t.dtype if keep else dtype or self.dtype).contiguous()
 
     def optional(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor | None:
         return self.tensor(name, dtype=dtype) if name in self.ckpt else None
@@ -186,20 +189,25 @@ def load_non_expert_weights(reader: WeightReader, spec: ModelSpec) -> NonExpertW
 
 
 def expert_loader(
-    reader: WeightReader, spec: ModelSpec, layer: int
+    reader: WeightReader, spec: ModelSpec, layer: int, as_stored: bool = False
 ) -> Callable[[int, torch.device | str], ExpertWeights]:
-    """A function reading one expert of `layer` (by index) onto a device, whatever the on-disk layout."""
+    """A function reading one expert of `layer` (by index) onto a device, whatever the on-disk layout.
+    as_stored: in the checkpoint's float dtype, not the run dtype (for a layout that converts it anyway:
+    quantizing a bf16 expert read as fp32 held twice the bytes at the load's peak)."""
     prefix = _moe_prefix(reader.ckpt, layer)
     fused = f"{prefix}.experts.gate_up_proj"
     if fused in reader.ckpt:
         # Fused 3-D layout ([E, 2I, H] and [E, H, I]): read once, slice per expert.
         gate_up_all = reader.ckpt.get(fused)
         down_all = reader.ckpt.get(f"{prefix}.experts.down_proj")
+        dtype = reader.dtype
+        if as_stored and gate_up_all.dtype.is_floating_point and gate_up_all.dtype.itemsize > 1:
+            dtype = gate_up_all.dtype
 
         def load_fused(expert: int, device: torch.device | str) -> ExpertWeights:
             return ExpertWeights(
-                gate_up_all[expert].to(device=device, dtype=reader.dtype).contiguous(),
-                down_all[expert].to(device=device, dtype=reader.dtype).contiguous(),
+                gate_up_all[expert].to(device=device, dtype=dtype).contiguous(),
+                down_all[expert].to(device=device, dtype=dtype).contiguous(),
             )
 
         return load_fused
@@ -210,8 +218,9 @@ def expert_loader(
 
     def load_per_expert(expert: int, device: torch.device | str) -> ExpertWeights:
         e = f"{prefix}.experts.{expert}"
-        gate = reader.tensor(f"{e}.{gate_name}.weight", device)
-        up = reader.tensor(f"{e}.{up_name}.weight", device)
-        return ExpertWeights(torch.cat([gate, up], dim=0), reader.tensor(f"{e}.{down_name}.weight", device))
+        gate = reader.tensor(f"{e}.{gate_name}.weight", device, as_stored=as_stored)
+        up = reader.tensor(f"{e}.{up_name}.weight", device, as_stored=as_stored)
+        return ExpertWeights(torch.cat([gate, up], dim=0),
+                             reader.tensor(f"{e}.{down_name}.weight", device, as_stored=as_stored))
 
     return load_per_expert

@@ -18,7 +18,7 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     groups = w.float().view(n, k // group_size, group_size)
     lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
     scale = ((hi - lo) / 15).clamp(min=1e-10)
-    q = ((groups - lo[..., None]) / scale[..., None]).round().clamp(0, 15)
+    q = (groups - lo[..., None]).div_(scale[..., None]).round_().clamp_(0, 15)  # in place: one float copy
     return q.view(n, k).to(torch.int32), scale, lo + 8 * scale
 
 

@@ -86,6 +86,11 @@ class QuantizedExpertLayout:
 StoredLayout = ExpertLayout | QuantizedExpertLayout  # one expert's flat buffer, dense or packed
 
 
+def converts(layout: StoredLayout | None, run_dtype: torch.dtype) -> bool:
+    """Whether `layout` keeps experts in another form than the run dtype: they may be read as stored."""
+    return layout is not None and (not isinstance(layout, ExpertLayout) or layout.dtype != run_dtype)
+
+
 def expert_layout(
     hidden: int, intermediate: int, expert_dtype: str, group_size: int, run_dtype: torch.dtype,
     device: torch.device | str,
