@@ -23,10 +23,6 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens]: KV-cache slot each new token writes
     # Prefill: each sequence's tokens are contiguous in the batch and attend causally to themselves.
     seq_lens: list[int]
-    # Chunked prefill (a chunk after cached tokens): each sequence's context length (cached and new tokens), and
-    # the cache slots of those contexts laid end to end; attention reads their keys and values from the cache.
-    prefill_kv_lens: list[int] | None = None
-    prefill_kv_slots: torch.Tensor | None = None
     # Decode: one token per sequence; context gathered from the cache by whole blocks (padded to a block).
     block_tables: torch.Tensor | None = None  # [batch, max_blocks]
     block_size: int = 0
@@ -37,6 +33,10 @@ class AttentionMetadata:
     context_lens: torch.Tensor | None = None  # [batch] int64: tokens each sequence attends (the new one included)
     # decode_attention's additive mask, [kv_heads * batch, 1, context]: made by the first layer, shared by all.
     decode_bias: torch.Tensor | None = None
+    # Chunked prefill (a chunk after cached tokens): each sequence's context length (cached and new tokens), and
+    # the cache slots of those contexts laid end to end; attention reads their keys and values from the cache.
+    prefill_kv_lens: list[int] | None = None
+    prefill_kv_slots: torch.Tensor | None = None
 
     # The native kernels read block tables and context lengths only: the two views below are made when a path
     # that gathers the context asks (MLA, torch's decode attention), not in every step's prologue, where their
