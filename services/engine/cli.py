@@ -72,6 +72,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_default: str | None =
                         help="int4 --weight-dtype: inputs per scale (64)")
     parser.add_argument("--enforce-eager", action="store_true", default=None,
                         help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
+    parser.add_argument("--enable-prefix-caching", action="store_true", default=None,
+                        help="reuse the KV blocks of prompt prefixes seen before (shared system prompts, "
+                        "multi-turn chats): their prefill is skipped")
     parser.add_argument("--step-watchdog-s", type=float, default=None,
                         help="requests waiting and no engine step finished for this long: stop and exit 1 "
                         "(default 60; 0: off)")

@@ -24,6 +24,8 @@ class EngineConfig:
     kv_cache_mb: int | None = None  # None: enough blocks for max_num_seqs full-length sequences, capped
     seed: int = 0  # the engine's random state for unseeded sampling
     enforce_eager: bool = False  # CUDA: decode steps run eagerly, no CUDA graphs (vLLM's flag)
+    # Prompts reuse the KV blocks of earlier prompts' shared prefixes (block_manager.py; vLLM's flag).
+    enable_prefix_caching: bool = False
     # Requests waiting and no step finished for this long: the core is stopped, the engine exits 1. 0: off.
     step_watchdog_s: float | None = 60.0
     # Offload runtime (services/engine/offload): which policy, how big the device expert cache, which link.

@@ -88,7 +88,8 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = tuple(sorted(eos))
-        self.block_manager = BlockManager(self._num_kv_blocks(loaded.dtype.itemsize), config.block_size)
+        self.block_manager = BlockManager(self._num_kv_blocks(loaded.dtype.itemsize), config.block_size,
+                                          config.enable_prefix_caching)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager)
         graphs = not config.enforce_eager and graphs_supported(loaded.model)
         self.runner = ModelRunner(loaded.model, self.block_manager, self.eos_ids, config.seed, config.device, graphs)
@@ -188,6 +189,8 @@ class LLMEngine:
         outputs = [self._fail(seq, message) for seq, message in failed]
         now = time.monotonic()
         for seq, token in done:
+            if is_prefill:
+                self.block_manager.register_computed(seq)
             if token is None:  # a prefill chunk with more of the prompt to come
                 continue
             seq.append_token(token)
@@ -246,6 +249,8 @@ class LLMEngine:
             kv_blocks_used=float(self.block_manager.num_used),
             kv_blocks_capacity=float(self.block_manager.num_blocks),
             preemptions_total=float(self.scheduler.num_preemptions),
+            prefix_cache_queries_total=float(self.block_manager.prefix_queries),
+            prefix_cache_hits_total=float(self.block_manager.prefix_hits),
             device_bytes=float(self.device_bytes()),
         )
         stats.update(self.model.experts.engine_stats())

@@ -38,6 +38,8 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_cached_tokens = 0  # tokens whose K/V are in the cache
         self.num_scheduled_tokens = 0  # prompt tokens the scheduled prefill step computes (0: all left)
+        self.block_keys: list[bytes] = []  # prefix keys of its full blocks so far (block manager's prefix cache)
+        self.num_registered_blocks = 0  # leading blocks of block_table already registered in the prefix cache
         self.finish_reason: str | None = None
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
