@@ -130,3 +130,32 @@ def test_the_flag_and_its_env_var_reach_the_engine(tiny_mixtral_dir: str, monkey
     assert not engine_config(parse(["generate", "--model", tiny_mixtral_dir, "--prompt", "x"])).enable_prefix_caching
     monkeypatch.setenv("HINTSERVE_ENABLE_PREFIX_CACHING", "1")
     assert engine_config(parse(["generate", "--model", tiny_mixtral_dir, "--prompt", "x"])).enable_prefix_caching
+
+
+async def test_a_multi_turn_chat_through_the_api_reuses_its_history(tiny_mixtral_dir: str) -> None:
+    """The real `openai` client against the gateway: each turn's prompt holds the previous ones, prefilled in
+    chunks of 8 tokens the first time and taken from the prefix cache after; the answers are the plain
+    engine's."""
+    from services.gateway.engine_client import InProcessEngineClient
+    from tests.test_gateway_support import MODEL, openai_client, running_gateway, started_engine
+
+    async def chat(config: dict[str, object]) -> tuple[list[str], dict[str, float]]:
+        async with started_engine(tiny_mixtral_dir, block_size=BS, **config) as engine:
+            async with running_gateway([InProcessEngineClient(engine)], tiny_mixtral_dir) as (_, server):
+                client = openai_client(server)
+                messages: list[dict[str, str]] = []
+                answers = []
+                for question in ("The quick brown fox", "jumps over the lazy dog", "and runs away"):
+                    messages.append({"role": "user", "content": question})
+                    r = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                                             temperature=0, extra_body={"ignore_eos": True})
+                    answer = r.choices[0].message.content or ""
+                    answers.append(answer)
+                    messages.append({"role": "assistant", "content": answer})
+                await client.close()
+                return answers, engine.stats()
+
+    plain, _ = await chat({})
+    cached, stats = await chat({"enable_prefix_caching": True, "max_num_batched_tokens": 8})
+    assert cached == plain
+    assert stats["prefix_cache_hits_total"] > 0 and stats["prefill_steps_total"] > 3
