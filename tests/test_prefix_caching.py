@@ -159,3 +159,41 @@ async def test_a_multi_turn_chat_through_the_api_reuses_its_history(tiny_mixtral
     cached, stats = await chat({"enable_prefix_caching": True, "max_num_batched_tokens": 8})
     assert cached == plain
     assert stats["prefix_cache_hits_total"] > 0 and stats["prefill_steps_total"] > 3
+
+
+def test_random_traffic_with_chunks_cache_preemption_and_aborts_leaks_nothing(tiny_mixtral_dir: str) -> None:
+    """Requests arrive, share prefixes, get aborted mid-prefill or mid-decode, under a cache small enough to
+    preempt: every finished one has the tokens it has alone, and every block comes back."""
+    g = torch.Generator().manual_seed(7)
+    prefixes = [torch.randint(3, VOCAB, (int(n),), generator=g).tolist() for n in (9, 17, 30)]
+    prompts = [prefixes[int(torch.randint(3, (1,), generator=g))]
+               + torch.randint(3, VOCAB, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(24)]
+    plain = _engine(tiny_mixtral_dir, caching=False)
+    expected = [plain.generate([p], GREEDY)[0] for p in prompts]
+    plain.close()
+    engine = _engine(tiny_mixtral_dir, caching=True, max_num_seqs=6, max_num_batched_tokens=12)
+    engine.block_manager.__init__(40, BS, prefix_caching=True)
+    seqs, aborted = {}, set()
+    try:
+        pending = list(range(len(prompts)))
+        step = 0
+        while pending or engine.has_unfinished():
+            if pending and int(torch.randint(3, (1,), generator=g)) == 0:
+                i = pending.pop(0)
+                seqs[i] = engine.add_request(f"r{i}", prompts[i], GREEDY)
+            live = [i for i, s in seqs.items() if not s.is_finished and i not in aborted]
+            if live and int(torch.randint(12, (1,), generator=g)) == 0:
+                victim = live[int(torch.randint(len(live), (1,), generator=g))]
+                assert engine.abort_request(f"r{victim}") is not None
+                aborted.add(victim)
+            engine.step()
+            step += 1
+            assert step < 5000
+    finally:
+        engine.close()
+    assert aborted and engine.scheduler.num_preemptions > 0 and engine.stats()["prefix_cache_hits_total"] > 0
+    for i, seq in seqs.items():
+        if i not in aborted:
+            assert seq.completion_token_ids == expected[i], i
+    assert engine.block_manager.num_used == 0 and engine.block_manager.num_free == 40
