@@ -151,6 +151,20 @@ def _host_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prefill(args: argparse.Namespace) -> int:
+    from services.bench.prefill_bench import run_prefill_bench
+
+    _require_model(args.model)
+    budgets = _numbers(args.budgets, int)
+    if args.long_tokens < 2 or args.prefix_tokens < 1 or args.threads < 1:
+        raise ValueError("--long-tokens must be at least 2, --prefix-tokens and --threads at least 1")
+    engine = {"dtype": "float32", "expert_dtype": args.expert_dtype, "weight_dtype": args.weight_dtype,
+              "threads": args.threads}
+    result = run_prefill_bench(args.json, args.model, engine, budgets, args.long_tokens, args.prefix_tokens)
+    print(f"wrote {args.json} ({len(result['chunking'])} budgets; prefix caching off and on)")
+    return 0
+
+
 def _vs_llamacpp(args: argparse.Namespace) -> int:
     from services.bench.llamacpp import llama_importable
     from services.bench.vs_llamacpp import FORMATS, Workload, run_vs_llamacpp
@@ -302,6 +316,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                            "not cache)")
     host.add_argument("--json", default="bench/results/host_kernels.json")
     host.set_defaults(func=_host_kernels)
+
+    prefill = kinds.add_parser("prefill", help="long prompts in chunks beside a running request; prompts "
+                               "sharing a prefix with prefix caching off and on")
+    prefill.add_argument("--model", required=True, help="HF folder")
+    prefill.add_argument("--budgets", default="2048,512,256", help="--max-num-batched-tokens values to compare")
+    prefill.add_argument("--long-tokens", type=int, default=1900, help="the long prompt's tokens")
+    prefill.add_argument("--prefix-tokens", type=int, default=480, help="the prefix the cached prompts share")
+    prefill.add_argument("--expert-dtype", choices=("auto", "bf16", "int8", "int4"), default="auto")
+    prefill.add_argument("--weight-dtype", choices=("auto", "fp32", "bf16", "int8", "int4"), default="auto")
+    prefill.add_argument("--threads", type=int, default=1)
+    prefill.add_argument("--json", default="bench/results/prefill.json")
+    prefill.set_defaults(func=_prefill)
 
     llama = kinds.add_parser("vs-llamacpp", help="llama.cpp vs hintserve at batch 1, format by format (GGUF)")
     llama.add_argument("--model", required=True,
