@@ -127,20 +127,24 @@ class ModelRunner:
         seq_lens: list[int] = []
         last: list[int] = []
         context_slots: list[int] = []
+        ends: list[int] = []
         bm = self.block_manager
         chunked = any(seq.num_cached_tokens for seq in seqs)
         for seq in seqs:
             start, end = seq.num_cached_tokens, _chunk_end(seq)
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            slots.extend(bm.slot(seq, p) for p in range(start, end))
+            chunk_slots = [bm.slot(seq, p) for p in range(start, end)]
+            slots.extend(chunk_slots)
             seq_lens.append(end - start)
             last.append(len(input_ids) - 1)
-            if chunked:
-                context_slots.extend(bm.slot(seq, p) for p in range(end))
+            if chunked:  # the cached tokens' slots, then the chunk's
+                context_slots.extend(bm.slot(seq, p) for p in range(start))
+                context_slots.extend(chunk_slots)
+                ends.append(end)
         meta = AttentionMetadata(is_prefill=True, slot_mapping=self._tensor(slots), seq_lens=seq_lens)
         if chunked:
-            meta.prefill_kv_lens = [_chunk_end(s) for s in seqs]
+            meta.prefill_kv_lens = ends
             meta.prefill_kv_slots = self._tensor(context_slots)
         return self._tensor(input_ids), self._tensor(positions), meta, self._tensor(last)
 

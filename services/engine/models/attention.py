@@ -160,16 +160,7 @@ def _causal_attention(
         qs, ks, vs = (t.view(b, n, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
         return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], v.shape[2])  # MLA: v's head size is not q's
-    outputs = []
-    start = 0
-    for n in seq_lens:
-        qs = q[start : start + n].transpose(0, 1).unsqueeze(0)
-        ks = k[start : start + n].transpose(0, 1).unsqueeze(0)
-        vs = v[start : start + n].transpose(0, 1).unsqueeze(0)
-        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
-        outputs.append(out[0].transpose(0, 1))
-        start += n
-    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+    return _chunk_attention(q, k, v, seq_lens, seq_lens, scale)  # sequence by sequence, each plainly causal
 
 
 def last_token_attention(

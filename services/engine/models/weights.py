@@ -94,8 +94,14 @@ class WeightReader:
     ) -> torch.Tensor:
         """as_stored: a float tensor keeps the checkpoint's dtype (what a layout packs anew needs no wider copy)."""
         t = self.ckpt.get(name)
-        keep = as_stored and t.dtype.is_floating_point and t.dtype.itemsize > 1
-        return t.to(device=device or self.device, dtype=t.dtype if keep else dtype or self.dtype).contiguous()
+        return t.to(device=device or self.device, dtype=self.read_dtype(t.dtype, as_stored, dtype)).contiguous()
+
+    def read_dtype(self, stored: torch.dtype, as_stored: bool, dtype: torch.dtype | None = None) -> torch.dtype:
+        """The dtype a tensor stored as `stored` is read in: a float one (wider than 8 bits) as stored when
+        `as_stored`, else `dtype`, else the run dtype."""
+        if as_stored and stored.is_floating_point and stored.itemsize > 1:
+            return stored
+        return dtype or self.dtype
 
     def optional(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor | None:
         return self.tensor(name, dtype=dtype) if name in self.ckpt else None
@@ -200,9 +206,7 @@ def expert_loader(
         # Fused 3-D layout ([E, 2I, H] and [E, H, I]): read once, slice per expert.
         gate_up_all = reader.ckpt.get(fused)
         down_all = reader.ckpt.get(f"{prefix}.experts.down_proj")
-        dtype = reader.dtype
-        if as_stored and gate_up_all.dtype.is_floating_point and gate_up_all.dtype.itemsize > 1:
-            dtype = gate_up_all.dtype
+        dtype = reader.read_dtype(gate_up_all.dtype, as_stored)
 
         def load_fused(expert: int, device: torch.device | str) -> ExpertWeights:
             return ExpertWeights(
