@@ -188,16 +188,28 @@ def test_a_job_right_after_the_pool_grows_is_joined_by_every_worker() -> None:
     subprocess.run([sys.executable, "-c", _RESIZE_THEN_RUN], check=True, timeout=120)
 
 
+@pytest.mark.parametrize("intermediate", [192, 100])  # 100: the vector SwiGLU's padded tail
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_a_split_experts_host_half_is_the_swiglu_activation(fmt: str) -> None:
+def test_a_split_experts_host_half_is_the_swiglu_activation(fmt: str, intermediate: int) -> None:
     """formats.expert without down: the gate/up half a split expert computes on the host, [T, I]."""
     g = torch.Generator().manual_seed(3)
-    gate_up = formats.pack(torch.randn(384, 128, generator=g) * 0.1, fmt, 64)
+    gate_up = formats.pack(torch.randn(2 * intermediate, 128, generator=g) * 0.1, fmt, 64)
     x = torch.randn(5, 128, generator=g)
     gate, up = F.linear(x, formats.dequantize(gate_up)).chunk(2, dim=-1)
     expected = F.silu(gate) * up
     got = formats.expert(x, gate_up, None)
-    assert got.shape == (5, 192) and _relative_error(got, expected) < TOLERANCE[fmt]
+    assert got.shape == (5, intermediate) and _relative_error(got, expected) < TOLERANCE[fmt]
+
+
+def test_the_native_swiglu_is_torchs_to_float_rounding() -> None:
+    """hs_swiglu (every native SwiGLU): silu(gate) * up within a few ulps, saturating gates included."""
+    g = torch.Generator().manual_seed(4)
+    gate_up = formats.pack(torch.eye(2 * 40, 128), "fp32", 64)  # out = x's first 80 inputs: gate, then up
+    x = torch.randn(3, 128, generator=g) * 30
+    x[0, :4] = torch.tensor([-120.0, -88.0, 88.0, 120.0])
+    got = formats.expert(x, gate_up, None)
+    expected = F.silu(x[:, :40]) * x[:, 40:80]
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-30)
 
 
 _PORTABLE = """

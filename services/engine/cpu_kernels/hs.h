@@ -80,6 +80,7 @@ int hs_linear(const hs_matrix *W, const float *x, int64_t ldx, float *y, int64_t
 int hs_moe(const hs_matrix *gate_up, const hs_matrix *down, int64_t M, const int64_t *matrix_of, int64_t E,
            const float *x, int64_t ldx, int64_t T, const int64_t *ids, const float *weights, int64_t top_k,
            float *out);
+void hs_swiglu(const float *gate, const float *up, float *out, int64_t n);
 int hs_route_softmax(const hs_matrix *W, const float *x, int64_t ldx, int64_t T, int64_t top_k, int renorm,
                      float *probs, float *weights, int64_t *ids);
 int rope_write_kv_f32(float *qkv, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float *cos_table,

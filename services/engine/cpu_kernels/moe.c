@@ -77,10 +77,8 @@ static void gate_up_item(void *ctx, int64_t item) {
 
 static void swiglu_item(void *ctx, int64_t a) {
     moe_job *j = ctx;
-    const float *gate = j->h + a * 2 * j->I, *up = gate + j->I;
-    float *out = j->act + a * j->I;
-    for (int64_t i = 0; i < j->I; i++)
-        out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    const float *gate = j->h + a * 2 * j->I;
+    hs_swiglu(gate, gate + j->I, j->act + a * j->I, j->I);
     hs_acts_fill(j->mid, a, a + 1);
 }
 
