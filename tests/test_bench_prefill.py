@@ -17,6 +17,7 @@ def test_prefill_bench_writes_its_results_and_keeps_tokens(tiny_mixtral_dir: str
     chunked, whole = result["chunking"][1], result["chunking"][0]
     assert result["chunking_tokens_identical"] and result["prefix_tokens_identical"]
     assert whole["prefill_steps"] == 1 and chunked["prefill_steps"] == 5  # 40 tokens in chunks of 8
+    assert whole["running_tokens"] == 1 and chunked["running_tokens"] == 5  # a token in every step that prefills
     off, on = result["prefix_caching"]
     assert off["hit_tokens"] == 0 and on["hit_tokens"] == 3 * 64  # the later three reuse two 32-token blocks
     assert (tmp_path / "prefill.md").exists() and (tmp_path / "prefill.png").exists()

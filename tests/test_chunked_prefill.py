@@ -74,25 +74,53 @@ def test_a_prompt_longer_than_the_step_budget_is_served(tiny_mixtral_dir: str) -
     assert len(out[0]) == GREEDY.max_tokens
 
 
-def test_running_sequences_decode_between_a_long_prompts_chunks(tiny_mixtral_dir: str) -> None:
+def test_running_sequences_decode_inside_a_long_prompts_chunk_steps(tiny_mixtral_dir: str) -> None:
     short, long = _prompts((4, 4 * BUDGET))
     engine = _engine(tiny_mixtral_dir)
     try:
         first = engine.add_request("first", short, SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
         engine.step()  # its prefill
         second = engine.add_request("second", long, GREEDY)
-        phases = []
+        before = engine.stats()
+        steps = []
         while second.num_completion_tokens == 0:
-            before = first.num_completion_tokens
+            tokens, cached = first.num_completion_tokens, second.num_cached_tokens
             engine.step()
-            phases.append("decode" if first.num_completion_tokens > before else "chunk")
+            steps.append((first.num_completion_tokens - tokens, second.num_cached_tokens - cached))
+        after = engine.stats()
         engine.abort_request("first")
         engine.abort_request("second")
     finally:
         engine.close()
-    # Four chunks, the first three each followed by a decode step of the running sequence.
-    assert phases == ["chunk", "decode", "chunk", "decode", "chunk", "decode", "chunk"]
+    # Four chunks of the prompt, each step also the running sequence's next token: no decode step between.
+    assert steps == [(1, BUDGET)] * 4
+    assert after["prefill_steps_total"] - before["prefill_steps_total"] == 4
+    assert after.get("decode_steps_total", 0.0) == before.get("decode_steps_total", 0.0)
+    assert after["prefill_tokens_total"] - before["prefill_tokens_total"] == 4 * BUDGET  # prompt tokens only
+    assert after["prefill_step_decode_tokens_total"] - before.get("prefill_step_decode_tokens_total", 0.0) == 4
     assert engine.block_manager.num_used == 0
+
+
+def test_mixed_steps_give_every_request_the_tokens_it_has_alone(tiny_model_dirs: dict[str, str]) -> None:
+    """Prompts arriving while others decode (chunks beside one-token rows in one step), for each family."""
+    prompts = _prompts((5, 30, 3, 19, 12))
+    for family, model_dir in tiny_model_dirs.items():
+        alone = _engine(model_dir)
+        expected = [alone.generate([p], GREEDY)[0] for p in prompts]
+        alone.close()
+        engine = _engine(model_dir)
+        try:
+            seqs = []
+            for p in prompts:  # one arrival per step: each later prompt prefills beside the running ones
+                seqs.append(engine.add_request(f"r{len(seqs)}", p, GREEDY))
+                engine.step()
+            while engine.has_unfinished():
+                engine.step()
+            stats = engine.stats()
+        finally:
+            engine.close()
+        assert [s.completion_token_ids for s in seqs] == expected, family
+        assert stats["prefill_step_decode_tokens_total"] > 0 and engine.block_manager.num_used == 0
 
 
 def test_aborting_a_prompt_between_its_chunks_frees_its_blocks(tiny_mixtral_dir: str) -> None:
@@ -139,7 +167,7 @@ def test_a_preempted_sequence_queues_behind_a_prompt_midway_through_its_prefill(
     params = SamplingParams(max_tokens=4)
     long = Sequence("long", list(range(3, 15)), params, 4)
     scheduler.add(long)
-    batch, is_prefill = scheduler.schedule()
+    batch, is_prefill, _ = scheduler.schedule()
     assert is_prefill and batch == [long] and long.num_scheduled_tokens == 4 and scheduler.waiting[0] is long
     victim = Sequence("victim", [3, 4], params, 4)
     scheduler._preempt(victim)

@@ -1,7 +1,8 @@
 """Long prompts beside running requests, and prompts that share a prefix (`hintserve bench prefill`).
 
-Chunking: a request decodes; a long prompt arrives. Per step budget (`--max-num-batched-tokens`): the longest
-wait between the decoding request's tokens while the long prompt prefills, and the long prompt's TTFT.
+Chunking: a request decodes; a long prompt arrives. Per step budget (`--max-num-batched-tokens`): the tokens
+the decoding request gets while the long prompt prefills and its longest wait between them, and the long
+prompt's TTFT.
 Prefix caching: requests whose prompts share a long prefix, one after another, with `--enable-prefix-caching`
 off and on: each later request's prefill seconds. Greedy tokens are kept, and compared across settings.
 """
@@ -57,7 +58,8 @@ def chunking_case(model: str, engine: dict, budget: int, prompt: list[int], deco
     finally:
         llm.close()
     return {"budget": budget, "prompt_tokens": len(prompt), "longest_wait_s": max(waits, default=now - start),
-            "long_ttft_s": ttft, "prefill_steps": steps, "tokens": long.completion_token_ids}
+            "long_ttft_s": ttft, "prefill_steps": steps, "running_tokens": len(waits),
+            "tokens": long.completion_token_ids}
 
 
 def prefix_case(model: str, engine: dict, caching: bool, prompts: list[list[int]]) -> dict:
@@ -116,15 +118,16 @@ def _vocab_size(model: str) -> int:
 def _write(json_path: str, result: dict) -> None:
     write_json(json_path, result)
     stem = os.path.splitext(json_path)[0]
-    chunks = [(c["budget"], c["prompt_tokens"], c["prefill_steps"], round(c["longest_wait_s"] * 1e3, 1),
-               round(c["long_ttft_s"] * 1e3, 1)) for c in result["chunking"]]
+    chunks = [(c["budget"], c["prompt_tokens"], c["prefill_steps"], c["running_tokens"],
+               round(c["longest_wait_s"] * 1e3, 1), round(c["long_ttft_s"] * 1e3, 1)) for c in result["chunking"]]
     cached = [("on" if c["caching"] else "off", round(c["first_prefill_s"] * 1e3, 1),
                round(c["later_prefill_s"] * 1e3, 1), int(c["hit_tokens"])) for c in result["prefix_caching"]]
     text = (f"Engine settings: {result['engine']}. Tokens identical across budgets: "
             f"{result['chunking_tokens_identical']}; with and without prefix caching: "
             f"{result['prefix_tokens_identical']}.\n\n"
             + markdown_table(["max_num_batched_tokens", "prompt tokens", "prefill steps",
-                              "longest wait of the running request (ms)", "long prompt's TTFT (ms)"], chunks)
+                              "running request's tokens meanwhile", "its longest wait (ms)",
+                              "long prompt's TTFT (ms)"], chunks)
             + "\n\n"
             + markdown_table(["prefix caching", "first request's prefill (ms)", "later requests' prefill (ms)",
                               "prompt tokens from cache"], cached))

@@ -175,22 +175,24 @@ class LLMEngine:
 
     # ---- the step ----
     def step(self) -> list[RequestOutput]:
-        seqs, is_prefill = self.scheduler.schedule()
+        seqs, is_prefill, num_decodes = self.scheduler.schedule()
         if not seqs:
             return []
-        num_tokens = sum(s.num_scheduled_tokens for s in seqs) if is_prefill else len(seqs)
         start = time.perf_counter()
         done, failed = self.isolator.step(seqs, is_prefill)
         elapsed = time.perf_counter() - start
         kind = "prefill" if is_prefill else "decode"
         self.counters[f"{kind}_steps_total"] += 1
         self.counters[f"{kind}_seconds_total"] += elapsed
-        self.counters[f"{kind}_tokens_total"] += num_tokens
+        if is_prefill:  # prompt tokens; the running sequences' rows it carried counted apart (decode rates stay pure)
+            self.counters["prefill_tokens_total"] += sum(s.num_scheduled_tokens for s in seqs[num_decodes:])
+            self.counters["prefill_step_decode_tokens_total"] += num_decodes
+        else:
+            self.counters["decode_tokens_total"] += len(seqs)
         outputs = [self._fail(seq, message) for seq, message in failed]
         now = time.monotonic()
         for seq, token in done:
-            if is_prefill:
-                self.block_manager.register_computed(seq)
+            self.block_manager.register_computed(seq)  # a block just filled, by a prompt or by decoding, is shareable
             if token is None:  # a prefill chunk with more of the prompt to come
                 continue
             seq.append_token(token)

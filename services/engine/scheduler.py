@@ -2,16 +2,29 @@
 
 Chunked prefill: a step computes at most max_num_batched_tokens prompt tokens. A prompt longer than what is
 left of that budget prefills a chunk, keeps its KV blocks and stays at the head of the queue; it joins the
-running sequences once its last chunk samples its first token. Between its chunks the running sequences
-take a decode step, so a long prompt delays the others' next token by one chunk, not by its whole prefill.
+running sequences once its last chunk samples its first token.
+
+Mixed steps: a step that prefills also carries each running sequence's next token, as a one-token chunk
+after its cached context (vLLM's chunked prefill does the same). So a long prompt delays the others' next
+token by one chunk's step, not by its whole prefill, and the weights (experts: from host memory or over
+the link) are read once for both. A step with no prompt to start is a plain decode step.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from typing import NamedTuple
 
 from services.engine.block_manager import BlockManager
 from services.engine.sequence import Sequence, SequenceStatus
+
+
+class Batch(NamedTuple):
+    """A step's sequences; a prefill step's first num_decodes are running sequences' one-token rows."""
+
+    seqs: list[Sequence]
+    is_prefill: bool
+    num_decodes: int = 0
 
 
 class Scheduler:
@@ -22,7 +35,6 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
-        self._decode_next = False  # the last step prefilled a chunk of a prompt: let the running decode first
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -30,18 +42,19 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """The next batch and whether it is a prefill. Prefills go first so new requests join quickly, but a
-        step after a partial prefill decodes (module docstring). Each prefill sequence's num_scheduled_tokens
-        says how many of its uncached prompt tokens the step computes."""
-        scheduled: list[Sequence] = []
-        if not (self._decode_next and self.running):
-            scheduled = self._schedule_prefill()
-        self._decode_next = bool(scheduled) and self.is_partial(scheduled[-1])
-        if scheduled:
-            self.running.extend(s for s in scheduled if not self.is_partial(s))
-            return scheduled, True
-        return self._schedule_decode(), False
+    def schedule(self) -> Batch:
+        """The next batch and whether it runs as a prefill step: the running sequences' next tokens first (their
+        slots taken before any new prompt's blocks, so a newcomer never preempts them), then what prompts the
+        budget admits (module docstring). Each sequence's num_scheduled_tokens says how many of its uncached
+        tokens the step computes: one for a running sequence."""
+        decodes = self._schedule_decode()
+        prefills = self._schedule_prefill()
+        if not prefills:
+            return Batch(decodes, False)
+        for seq in decodes:
+            seq.num_scheduled_tokens = 1
+        self.running.extend(s for s in prefills if not self.is_partial(s))
+        return Batch(decodes + prefills, True, len(decodes))
 
     def _schedule_prefill(self) -> list[Sequence]:
         scheduled: list[Sequence] = []
