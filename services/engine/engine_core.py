@@ -113,7 +113,8 @@ def run_engine_core(config: EngineConfig, requests: Connection, outputs: Connect
     try:
         engine = LLMEngine(config, detokenize=False)
         # Served shapes vary step to step: build every kernel now, not during the first requests (~0.5 s).
-        engine.model.warm_up(config.max_num_batched_tokens, config.max_num_seqs)
+        # A step's rows: its prompt tokens plus, in a mixed step, a token per running sequence.
+        engine.model.warm_up(config.max_num_batched_tokens + config.max_num_seqs, config.max_num_seqs)
     except Exception as exc:
         log.exception("engine core failed to start")
         _say(outputs, CoreDead(f"engine failed to start: {exc}", isinstance(exc, (ValueError, FileNotFoundError))))
