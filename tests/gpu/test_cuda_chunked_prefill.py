@@ -1,5 +1,6 @@
 """On a real GPU: chunked prefill and prefix caching (attention over keys and values read back from the CUDA
-KV cache, CUDA graphs decoding between the chunks) give the one-step engine's tokens."""
+KV cache; in the batch of three, the prompts done first decode inside the later ones' chunk steps, mixed
+steps, and by CUDA graphs once none is left) give the one-step engine's tokens."""
 
 from __future__ import annotations
 
