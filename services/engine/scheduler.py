@@ -1,4 +1,4 @@
-"""Continuous batching: waiting and running queues, one prefill or decode batch per step (nano-vllm style).
+"""Continuous batching: waiting and running queues, one batch per step (nano-vllm style).
 
 Chunked prefill: a step computes at most max_num_batched_tokens prompt tokens. A prompt longer than what is
 left of that budget prefills a chunk, keeps its KV blocks and stays at the head of the queue; it joins the

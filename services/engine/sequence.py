@@ -37,7 +37,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_cached_tokens = 0  # tokens whose K/V are in the cache
-        self.num_scheduled_tokens = 0  # prompt tokens the scheduled prefill step computes (0: all left)
+        self.num_scheduled_tokens = 0  # uncached tokens a prefill step computes (1: a running row; 0: all left)
         self.block_keys: list[bytes] = []  # prefix keys of its full blocks so far (block manager's prefix cache)
         self.num_registered_blocks = 0  # leading blocks of block_table already registered in the prefix cache
         self.finish_reason: str | None = None
