@@ -193,3 +193,14 @@ def test_traces_of_a_chunked_prefill_add_up_to_one_iteration(tiny_mixtral_dir: s
     np.testing.assert_array_equal(chunked[0].counts, whole[0].counts)
     np.testing.assert_allclose(chunked[0].probs, whole[0].probs, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(chunked[0].embedding, whole[0].embedding, rtol=1e-5, atol=1e-6)
+
+
+def test_block_slots_are_each_positions_block_and_offset() -> None:
+    """BlockManager.slots (a range per block) gives position p the slot table[p // size] * size + p % size."""
+    bm = BlockManager(16, 4)
+    seq = Sequence("s", list(range(3, 17)), SamplingParams(max_tokens=4), 4)
+    bm.allocate(seq)
+    seq.block_table = [9, 2, 14, 5]  # out of order, as blocks come back
+    for start in range(15):
+        for end in range(start, 15):
+            assert bm.slots(seq, start, end) == [seq.block_table[p // 4] * 4 + p % 4 for p in range(start, end)]

@@ -33,7 +33,7 @@ def _engine(model: str, engine: dict, max_len: int, **settings: object) -> LLMEn
 
 
 def chunking_case(model: str, engine: dict, budget: int, prompt: list[int], decode_tokens: int) -> dict:
-    """The decoding request's longest wait between tokens while `prompt` prefills, and its TTFT."""
+    """The decoding request's tokens and longest wait between them while `prompt` prefills, and its TTFT."""
     llm = _engine(model, engine, len(prompt) + 64, max_num_batched_tokens=budget)
     try:
         running = llm.add_request("running", prompt[:FIRST_TOKENS],
@@ -93,7 +93,7 @@ def run_prefill_bench(json_path: str, model: str, engine: dict, budgets: list[in
     with tqdm(total=len(budgets) + 2, desc="bench prefill") as bar:
         for budget in budgets:
             bar.set_postfix_str(f"budget {budget}")
-            # The running request outlasts the long prompt's prefill: a decode step after each of its chunks.
+            # The running request outlasts the long prompt's prefill: a token in each of its chunks' steps.
             decode_tokens = 4 + -(-long_tokens // budget) + 16
             chunking.append(chunking_case(model, engine, budget, long, decode_tokens))
             bar.update()

@@ -100,8 +100,14 @@ class BlockManager:
         seq.num_cached_tokens = 0
         seq.num_registered_blocks = 0
 
-    def slot(self, seq: Sequence, position: int) -> int:
-        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+    def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """KV-cache slots of positions start..end-1, a range per block (a mixed step's one-token rows bring
+        their whole contexts here: no Python division per position)."""
+        bs, out = self.block_size, []
+        for b in range(start // bs, -(-end // bs)):
+            base = seq.block_table[b] * bs
+            out.extend(range(base + max(start - b * bs, 0), base + min(end - b * bs, bs)))
+        return out
 
     def _take(self) -> int:
         """The least recently freed block, unregistered if it was."""

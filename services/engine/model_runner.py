@@ -134,12 +134,12 @@ class ModelRunner:
             start, end = seq.num_cached_tokens, _chunk_end(seq)
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            chunk_slots = [bm.slot(seq, p) for p in range(start, end)]
+            chunk_slots = bm.slots(seq, start, end)
             slots.extend(chunk_slots)
             seq_lens.append(end - start)
             last.append(len(input_ids) - 1)
             if chunked:  # the cached tokens' slots, then the chunk's
-                context_slots.extend(bm.slot(seq, p) for p in range(start))
+                context_slots.extend(bm.slots(seq, 0, start))
                 context_slots.extend(chunk_slots)
                 ends.append(end)
         meta = AttentionMetadata(is_prefill=True, slot_mapping=self._tensor(slots), seq_lens=seq_lens)
