@@ -103,7 +103,8 @@ class BlockManager:
     def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         """KV-cache slots of positions start..end-1, a range per block (a mixed step's one-token rows bring
         their whole contexts here: no Python division per position)."""
-        bs, out = self.block_size, []
+        bs = self.block_size
+        out: list[int] = []
         for b in range(start // bs, -(-end // bs)):
             base = seq.block_table[b] * bs
             out.extend(range(base + max(start - b * bs, 0), base + min(end - b * bs, bs)))
