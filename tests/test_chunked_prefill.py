@@ -83,6 +83,15 @@ def test_running_sequences_decode_inside_a_long_prompts_chunk_steps(tiny_mixtral
         second = engine.add_request("second", long, GREEDY)
         before = engine.stats()
         steps = []
+        layouts = []
+        prepare = engine.runner._prepare_prefill
+
+        def recording(seqs: list[Sequence]):  # each step's attention layout, beside its length then
+            prepared = prepare(seqs)
+            layouts.append((prepared[2], list(first.block_table), len(first), second.num_cached_tokens))
+            return prepared
+
+        engine.runner._prepare_prefill = recording  # type: ignore[method-assign]
         while second.num_completion_tokens == 0:
             tokens, cached = first.num_completion_tokens, second.num_cached_tokens
             engine.step()
@@ -99,6 +108,16 @@ def test_running_sequences_decode_inside_a_long_prompts_chunk_steps(tiny_mixtral
     assert after["prefill_tokens_total"] - before["prefill_tokens_total"] == 4 * BUDGET  # prompt tokens only
     assert after["prefill_step_decode_tokens_total"] - before.get("prefill_step_decode_tokens_total", 0.0) == 4
     assert engine.block_manager.num_used == 0
+    # The running sequence's row reads its context through the paged decode path (its block table, its length);
+    # only the prompt's chunks gather keys and values: the cached part of the prompt and the chunk.
+    for meta, first_table, first_len, cached in layouts:
+        assert meta.num_decode_rows() == 1
+        assert meta.decode_rows.context_lens.tolist() == [first_len]
+        assert meta.decode_rows.block_tables[0].tolist() == first_table
+        if cached:
+            assert meta.prefill_kv_lens == [cached + BUDGET] and meta.prefill_kv_slots.numel() == cached + BUDGET
+        else:
+            assert meta.prefill_kv_slots is None
 
 
 def test_mixed_steps_give_every_request_the_tokens_it_has_alone(tiny_model_dirs: dict[str, str]) -> None:

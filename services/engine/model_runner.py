@@ -120,7 +120,9 @@ class ModelRunner:
 
     def _prepare_prefill(self, seqs: list[Sequence]):
         """Each sequence's scheduled chunk of uncached tokens; where a chunk follows cached ones, the slots of
-        its whole context too (attention reads those keys and values from the cache)."""
+        its whole context too (attention reads those keys and values from the cache). A mixed step's leading
+        one-token rows after a cached context (running sequences' next tokens) get the decode layout instead:
+        the paged path reads their context in place, not a gathered copy of it."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -129,8 +131,11 @@ class ModelRunner:
         context_slots: list[int] = []
         ends: list[int] = []
         bm = self.block_manager
-        chunked = any(seq.num_cached_tokens for seq in seqs)
-        for seq in seqs:
+        n = 0
+        while n < len(seqs) - 1 and 0 < seqs[n].num_cached_tokens == len(seqs[n]) - 1:  # its last token
+            n += 1
+        chunked = any(seq.num_cached_tokens for seq in seqs[n:])
+        for row, seq in enumerate(seqs):
             start, end = seq.num_cached_tokens, _chunk_end(seq)
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
@@ -138,7 +143,7 @@ class ModelRunner:
             slots.extend(chunk_slots)
             seq_lens.append(end - start)
             last.append(len(input_ids) - 1)
-            if chunked:  # the cached tokens' slots, then the chunk's
+            if chunked and row >= n:  # the cached tokens' slots, then the chunk's
                 context_slots.extend(bm.slots(seq, 0, start))
                 context_slots.extend(chunk_slots)
                 ends.append(end)
@@ -146,9 +151,15 @@ class ModelRunner:
         if chunked:
             meta.prefill_kv_lens = ends
             meta.prefill_kv_slots = self._tensor(context_slots)
+        if n:
+            meta.decode_rows = self._decode_layout(seqs[:n])[2]
         return self._tensor(input_ids), self._tensor(positions), meta, self._tensor(last)
 
     def _prepare_decode(self, seqs: list[Sequence]):
+        input_ids, positions, meta = self._decode_layout(seqs)
+        return input_ids, positions, meta, None
+
+    def _decode_layout(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The step's token ids, positions, KV slots, context lengths and block tables as views of one tensor:
         one host-to-device copy, not five tensors built apart (each ~15 us, run cold after the forward pass)."""
         positions, slots, tables = self._decode_lists(seqs)
@@ -162,7 +173,7 @@ class ModelRunner:
         block_tables = values[4 * batch :].view(batch, max_blocks)
         meta = decode_metadata(position_tensor, slot_tensor, block_tables, self.block_manager.block_size,
                                context_lens)
-        return input_ids, position_tensor, meta, None
+        return input_ids, position_tensor, meta
 
     def _decode_lists(self, seqs: list[Sequence]) -> tuple[list[int], list[int], list[list[int]]]:
         """Each sequence's new position, its KV slot, and its block table."""

@@ -37,6 +37,12 @@ class AttentionMetadata:
     # the cache slots of those contexts laid end to end; attention reads their keys and values from the cache.
     prefill_kv_lens: list[int] | None = None
     prefill_kv_slots: torch.Tensor | None = None
+    # A mixed step's first rows, running sequences' next tokens (one each after its cached context): their
+    # decode layout, so they read the paged cache in place; the prefill_kv fields describe the rows after them.
+    decode_rows: AttentionMetadata | None = None
+
+    def num_decode_rows(self) -> int:
+        return 0 if self.decode_rows is None else len(self.decode_rows.seq_lens)
 
     # The native kernels read block tables and context lengths only: the two views below are made when a path
     # that gathers the context asks (MLA, torch's decode attention), not in every step's prologue, where their

@@ -66,7 +66,12 @@ def mla_attention(
     latent_cache.index_copy_(0, meta.slot_mapping, torch.cat((latent, k_rope[:, 0]), dim=-1))
 
     if meta.is_prefill:
-        out = _prefill(q_nope, q_rope, latent, k_rope, latent_cache, w, mla, meta, spec.softmax_scale)
+        n = meta.num_decode_rows()
+        out = _prefill(q_nope[n:], q_rope[n:], latent[n:], k_rope[n:], latent_cache, w, mla, meta, spec.softmax_scale)
+        if n:  # a mixed step's running sequences: the decode path on their cached latents
+            assert meta.decode_rows is not None
+            decoded = _decode(q_nope[:n], q_rope[:n], latent_cache, w, mla, meta.decode_rows, spec.softmax_scale)
+            out = torch.cat((decoded, out))
     else:
         out = _decode(q_nope, q_rope, latent_cache, w, mla, meta, spec.softmax_scale)
     return F.linear(out.reshape(tokens, -1), w.o, w.o_bias)
@@ -84,7 +89,8 @@ def _prefill(
     scale: float,
 ) -> torch.Tensor:
     """Per-head keys [T, H, qk_head_dim] and values [T, H, v_head_dim] from the latents; causal attention. A
-    chunk after cached tokens (chunked prefill) expands its whole context's latents, read from the cache."""
+    chunk after cached tokens (chunked prefill) expands its whole context's latents, read from the cache. The
+    rows after a mixed step's decode rows (which _decode takes)."""
     heads = q_nope.shape[1]
     if meta.prefill_kv_slots is not None:
         context = latent_cache.index_select(0, meta.prefill_kv_slots)
@@ -94,7 +100,7 @@ def _prefill(
     k_nope, v = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
     k = torch.cat((k_nope, k_rope.expand(-1, heads, -1)), dim=-1)
     q = torch.cat((q_nope, q_rope), dim=-1)
-    return prefill_attention(q, k, v, meta.seq_lens, scale, meta.prefill_kv_lens)
+    return prefill_attention(q, k, v, meta.seq_lens[meta.num_decode_rows():], scale, meta.prefill_kv_lens)
 
 
 def _decode(

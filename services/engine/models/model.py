@@ -257,23 +257,30 @@ class MoECausalLM:
     ) -> torch.Tensor:
         """Rotated q [T, Hq, D], k and v [T, Hkv, D] -> the layer's attention output [T, hidden] (output_rows:
         those rows' only, each a prefilled sequence's last); written: k and v are in the cache already."""
-        tokens = q.shape[0]
         if not written:
             write_kv(self.k_caches[i], self.v_caches[i], k, v, meta.slot_mapping)
-        kv_lens = meta.seq_lens
+        n = meta.num_decode_rows()
+        if n:  # a mixed step's running sequences: the paged decode path, then the prompts' rows as below
+            assert meta.decode_rows is not None
+            decoded = decode_attention(q[:n], self.k_caches[i], self.v_caches[i], meta.decode_rows, self.scale)
+            q, k, v = q[n:], k[n:], v[n:]
+            output_rows = None if output_rows is None else output_rows[n:] - n
+        seq_lens = meta.seq_lens[n:] if n else meta.seq_lens
+        kv_lens = seq_lens
         if meta.prefill_kv_slots is not None:  # a chunk after cached tokens: every key from the cache
             k, v = cached_kv(self.k_caches[i], self.v_caches[i], meta.prefill_kv_slots)
             kv_lens = meta.prefill_kv_lens or kv_lens
         if output_rows is not None:
-            tokens = output_rows.shape[0]
             out = last_token_attention(q.index_select(0, output_rows), k, v, kv_lens, self.scale)
         elif meta.is_prefill:
-            out = prefill_attention(q, k, v, meta.seq_lens, self.scale, kv_lens)
+            out = prefill_attention(q, k, v, seq_lens, self.scale, kv_lens)
         else:
             out = decode_attention(q, self.k_caches[i], self.v_caches[i], meta, self.scale)
+        if n:
+            out = torch.cat((decoded, out))
         o_proj = self.o[i]
         assert o_proj is not None  # None only for an MLA layer
-        return o_proj(out.reshape(tokens, -1))
+        return o_proj(out.reshape(out.shape[0], -1))
 
     def _mlp(self, i: int, layer: LayerWeights, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         if layer.dense_mlp is not None:
