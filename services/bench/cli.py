@@ -89,7 +89,7 @@ def _online(args: argparse.Namespace) -> int:
     policies = _policies(args.policies)
     slos = {k: float(v) for k, v in (item.split(":") for item in args.goodput)}
     run_online_bench(args.model, policies, args.json, args.duration, args.speedup, args.max_context,
-                     _fractions(args.cache)[0], _numbers(args.link_ratio, float)[0], slos)
+                     _fractions(args.cache)[0], _numbers(args.link_ratio, float)[0], slos, args.prompts)
     return 0
 
 
@@ -260,6 +260,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     online.add_argument("--cache", default="25%")
     online.add_argument("--link-ratio", default="30")
     online.add_argument("--goodput", nargs="+", default=["ttft:300", "tpot:50"], help="SLOs, e.g. ttft:2000")
+    online.add_argument("--prompts", default="auto", help="sharegpt | synthetic | FILE, as loadgen's; auto: "
+                        "sharegpt if ../shared/data/prompts is beside the checkout, else synthetic (the JSON says which)")
     online.add_argument("--json", default="bench/results/online.json")
     online.set_defaults(func=_online)
 

@@ -41,6 +41,7 @@ def run_online_bench(
     cache: float = 0.25,
     ratio: float = 30.0,
     slos: dict[str, float] | None = None,
+    prompts: str = "auto",
 ) -> dict:
     from loadgen.plot import plot_cdfs
     from loadgen.replay import ReplayConfig, arun_replay
@@ -55,7 +56,7 @@ def run_online_bench(
             wait_ready(f"{url}/ready", proc, timeout=180.0)
             cfg = ReplayConfig(url=url, model=os.path.basename(os.path.normpath(model)), trace="conv",
                                speedup=speedup, duration=duration, max_context=max_context, goodput=dict(slos),
-                               tokenizer=model, seed=0, label=policy)
+                               tokenizer=model, seed=0, label=policy, prompts=prompts)
             runs[policy] = asyncio.run(arun_replay(cfg))
         finally:
             proc.terminate()
@@ -69,13 +70,13 @@ def run_online_bench(
     ]
     result = {**run_header(), "model": os.path.abspath(model), "trace": "conv", "speedup": speedup,
               "duration_s": duration, "max_context": max_context, "cache_fraction": cache, "link_ratio": ratio,
-              "slos_ms": slos, "rows": rows}
+              "slos_ms": slos, "prompts": _prompt_source(runs, prompts), "rows": rows}
     table = markdown_table(
         ("policy", "done", "failed", "goodput req/s", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms",
          "TPOT p50 ms", "TPOT p99 ms"),
         [tuple(r.values()) for r in rows],
     )
-    table += f"\n\nSLOs: {', '.join(f'{k} <= {v:g} ms' for k, v in slos.items())}."
+    table += f"\n\nSLOs: {', '.join(f'{k} <= {v:g} ms' for k, v in slos.items())}. Prompts: {result['prompts']}."
     print(table)
     write_json(json_path, result)
     stem = os.path.splitext(json_path)[0]
@@ -84,3 +85,9 @@ def run_online_bench(
     bar_plot(stem + ".png", "Goodput by policy (req/s)", [r["policy"] for r in rows],
              {"goodput": [r["request_goodput"] for r in rows]}, "requests/s meeting SLOs")
     return result
+
+
+def _prompt_source(runs: dict[str, dict], asked: str) -> str:
+    """Where the prompts came from, as loadgen resolved `asked` (auto picks ShareGPT only when ../shared is
+    beside the checkout, so two checkouts' runs can differ; the results say which)."""
+    return next((run["prompts"] for run in runs.values()), asked)
