@@ -156,11 +156,13 @@ def _prefill(args: argparse.Namespace) -> int:
 
     _require_model(args.model)
     budgets = _numbers(args.budgets, int)
-    if args.long_tokens < 2 or args.prefix_tokens < 1 or args.threads < 1:
-        raise ValueError("--long-tokens must be at least 2, --prefix-tokens and --threads at least 1")
+    if args.long_tokens < 2 or min(args.prefix_tokens, args.threads, args.running, args.running_context) < 1:
+        raise ValueError("--long-tokens must be at least 2, --prefix-tokens, --threads, --running and "
+                         "--running-context at least 1")
     engine = {"dtype": "float32", "expert_dtype": args.expert_dtype, "weight_dtype": args.weight_dtype,
               "threads": args.threads}
-    result = run_prefill_bench(args.json, args.model, engine, budgets, args.long_tokens, args.prefix_tokens)
+    result = run_prefill_bench(args.json, args.model, engine, budgets, args.long_tokens, args.prefix_tokens,
+                               running=args.running, running_context=args.running_context)
     print(f"wrote {args.json} ({len(result['chunking'])} budgets; prefix caching off and on)")
     return 0
 
@@ -325,6 +327,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     prefill.add_argument("--budgets", default="2048,512,256", help="--max-num-batched-tokens values to compare")
     prefill.add_argument("--long-tokens", type=int, default=1900, help="the long prompt's tokens")
     prefill.add_argument("--prefix-tokens", type=int, default=480, help="the prefix the cached prompts share")
+    prefill.add_argument("--running", type=int, default=1, help="requests decoding when the long prompt arrives")
+    prefill.add_argument("--running-context", type=int, default=16, help="the decoding requests' prompt tokens")
     prefill.add_argument("--expert-dtype", choices=("auto", "bf16", "int8", "int4"), default="auto")
     prefill.add_argument("--weight-dtype", choices=("auto", "fp32", "bf16", "int8", "int4"), default="auto")
     prefill.add_argument("--threads", type=int, default=1)

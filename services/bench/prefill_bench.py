@@ -1,8 +1,8 @@
 """Long prompts beside running requests, and prompts that share a prefix (`hintserve bench prefill`).
 
-Chunking: a request decodes; a long prompt arrives. Per step budget (`--max-num-batched-tokens`): the tokens
-the decoding request gets while the long prompt prefills and its longest wait between them, and the long
-prompt's TTFT.
+Chunking: requests decode (`--running`, after prompts of `--running-context` tokens); a long prompt arrives.
+Per step budget (`--max-num-batched-tokens`): the tokens each decoding request gets while the long prompt
+prefills, the median and longest wait between them, and the long prompt's TTFT.
 Prefix caching: requests whose prompts share a long prefix, one after another, with `--enable-prefix-caching`
 off and on: each later request's prefill seconds. Greedy tokens are kept, and compared across settings.
 """
@@ -21,35 +21,40 @@ from services.engine.config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine.sampling_params import SamplingParams
 
-FIRST_TOKENS = 16  # the decoding request's prompt
 QUESTION_TOKENS = 32  # what follows the shared prefix
 
 
-def _engine(model: str, engine: dict, max_len: int, **settings: object) -> LLMEngine:
-    out = LLMEngine(EngineConfig(model=model, max_num_seqs=2, max_model_len=max_len, **engine, **settings),
+def _engine(model: str, engine: dict, max_len: int, max_seqs: int = 2, **settings: object) -> LLMEngine:
+    out = LLMEngine(EngineConfig(model=model, max_num_seqs=max_seqs, max_model_len=max_len, **engine, **settings),
                     detokenize=False)
     out.generate([[10] * 8], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # warm
     return out
 
 
-def chunking_case(model: str, engine: dict, budget: int, prompt: list[int], decode_tokens: int) -> dict:
-    """The decoding request's tokens and longest wait between them while `prompt` prefills, and its TTFT."""
-    llm = _engine(model, engine, len(prompt) + 64, max_num_batched_tokens=budget)
+def chunking_case(model: str, engine: dict, budget: int, prompt: list[int], running_prompts: list[list[int]],
+                  decode_tokens: int) -> dict:
+    """The running requests' tokens and the waits between them while `prompt` prefills, and its TTFT."""
+    # The first running requests decode while the later ones prefill: they get those steps' tokens too.
+    decode_tokens += -(-sum(len(p) for p in running_prompts) // budget)
+    context = max(len(p) for p in running_prompts) + decode_tokens
+    llm = _engine(model, engine, max(len(prompt), context) + 64, len(running_prompts) + 1,
+                  max_num_batched_tokens=budget)
+    params = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
     try:
-        running = llm.add_request("running", prompt[:FIRST_TOKENS],
-                                  SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True))
-        for _ in range(4):
+        running = [llm.add_request(f"running{i}", p, params) for i, p in enumerate(running_prompts)]
+        while any(r.num_completion_tokens < 4 for r in running):
             llm.step()
         steps_before = llm.stats()["prefill_steps_total"]
         start = time.perf_counter()
         long = llm.add_request("long", prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-        last, seen, waits, ttft = start, running.num_completion_tokens, [], None
+        watched = running[0]  # they all decode in the same steps
+        last, seen, waits, ttft = start, watched.num_completion_tokens, [], None
         while long.num_completion_tokens == 0:
             llm.step()
             now = time.perf_counter()
-            if running.num_completion_tokens > seen:
+            if watched.num_completion_tokens > seen:
                 waits.append(now - last)
-                last, seen = now, running.num_completion_tokens
+                last, seen = now, watched.num_completion_tokens
             if long.num_completion_tokens and ttft is None:
                 ttft = now - start
         while llm.has_unfinished():
@@ -57,9 +62,10 @@ def chunking_case(model: str, engine: dict, budget: int, prompt: list[int], deco
         steps = int(llm.stats()["prefill_steps_total"] - steps_before)
     finally:
         llm.close()
-    return {"budget": budget, "prompt_tokens": len(prompt), "longest_wait_s": max(waits, default=now - start),
-            "long_ttft_s": ttft, "prefill_steps": steps, "running_tokens": len(waits),
-            "tokens": long.completion_token_ids}
+    return {"budget": budget, "prompt_tokens": len(prompt), "running": len(running_prompts),
+            "running_context": len(running_prompts[0]), "longest_wait_s": max(waits, default=now - start),
+            "median_wait_s": statistics.median(waits) if waits else now - start, "long_ttft_s": ttft,
+            "prefill_steps": steps, "running_tokens": len(waits), "tokens": long.completion_token_ids}
 
 
 def prefix_case(model: str, engine: dict, caching: bool, prompts: list[list[int]]) -> dict:
@@ -79,7 +85,10 @@ def prefix_case(model: str, engine: dict, caching: bool, prompts: list[list[int]
 
 
 def run_prefill_bench(json_path: str, model: str, engine: dict, budgets: list[int], long_tokens: int,
-                      prefix_tokens: int, requests: int = 4, seed: int = 0) -> dict:
+                      prefix_tokens: int, requests: int = 4, seed: int = 0, running: int = 1,
+                      running_context: int = 16) -> dict:
+    """running: requests decoding when the long prompt arrives, each after a prompt of running_context tokens
+    (mixed steps: every one of them gets a token in each of the long prompt's chunk steps)."""
     vocab = _vocab_size(model)
     gen = torch.Generator().manual_seed(seed)
 
@@ -87,6 +96,7 @@ def run_prefill_bench(json_path: str, model: str, engine: dict, budgets: list[in
         return torch.randint(10, vocab, (n,), generator=gen).tolist()  # past the special tokens
 
     long = draw(long_tokens)
+    running_prompts = [draw(running_context) for _ in range(running)]
     prefix = draw(prefix_tokens)
     prompts = [prefix + draw(QUESTION_TOKENS) for _ in range(requests)]
     chunking, caching = [], []
@@ -95,7 +105,7 @@ def run_prefill_bench(json_path: str, model: str, engine: dict, budgets: list[in
             bar.set_postfix_str(f"budget {budget}")
             # The running request outlasts the long prompt's prefill: a token in each of its chunks' steps.
             decode_tokens = 4 + -(-long_tokens // budget) + 16
-            chunking.append(chunking_case(model, engine, budget, long, decode_tokens))
+            chunking.append(chunking_case(model, engine, budget, long, running_prompts, decode_tokens))
             bar.update()
         for on in (False, True):
             bar.set_postfix_str(f"prefix caching {'on' if on else 'off'}")
@@ -118,16 +128,17 @@ def _vocab_size(model: str) -> int:
 def _write(json_path: str, result: dict) -> None:
     write_json(json_path, result)
     stem = os.path.splitext(json_path)[0]
-    chunks = [(c["budget"], c["prompt_tokens"], c["prefill_steps"], c["running_tokens"],
-               round(c["longest_wait_s"] * 1e3, 1), round(c["long_ttft_s"] * 1e3, 1)) for c in result["chunking"]]
+    chunks = [(c["budget"], c["prompt_tokens"], c["running"], c["running_context"], c["prefill_steps"],
+               c["running_tokens"], round(c["median_wait_s"] * 1e3, 1), round(c["longest_wait_s"] * 1e3, 1),
+               round(c["long_ttft_s"] * 1e3, 1)) for c in result["chunking"]]
     cached = [("on" if c["caching"] else "off", round(c["first_prefill_s"] * 1e3, 1),
                round(c["later_prefill_s"] * 1e3, 1), int(c["hit_tokens"])) for c in result["prefix_caching"]]
     text = (f"Engine settings: {result['engine']}. Tokens identical across budgets: "
             f"{result['chunking_tokens_identical']}; with and without prefix caching: "
             f"{result['prefix_tokens_identical']}.\n\n"
-            + markdown_table(["max_num_batched_tokens", "prompt tokens", "prefill steps",
-                              "running request's tokens meanwhile", "its longest wait (ms)",
-                              "long prompt's TTFT (ms)"], chunks)
+            + markdown_table(["max_num_batched_tokens", "prompt tokens", "running requests", "their context",
+                              "prefill steps", "a running request's tokens meanwhile", "median wait (ms)",
+                              "longest wait (ms)", "long prompt's TTFT (ms)"], chunks)
             + "\n\n"
             + markdown_table(["prefix caching", "first request's prefill (ms)", "later requests' prefill (ms)",
                               "prompt tokens from cache"], cached))
