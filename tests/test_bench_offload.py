@@ -52,5 +52,9 @@ def test_each_repeat_starts_one_policy_further_on(tiny_mixtral_dir: str, tmp_pat
     result = run_offload_bench(tiny_mixtral_dir, ["resident", "lru", "layer"], [0.5], [2.0], [1],
                                str(tmp_path / "o.json"), new_tokens=3, repeats=3)
     assert order[1:] == ["resident", "lru", "layer", "lru", "layer", "resident", "layer", "resident", "lru"]
-    for row in result["rows"]:  # every repeat kept, the median reported
+    for row in result["rows"]:  # every repeat kept, the median reported, the range beside it
         assert len(row["tpot_samples_ms"]) == 3 and sorted(row["tpot_samples_ms"])[1] == row["tpot_ms"]
+    table = (tmp_path / "o.md").read_text()
+    assert "| TPOT range ms |" in table
+    low, high = min(result["rows"][0]["tpot_samples_ms"]), max(result["rows"][0]["tpot_samples_ms"])
+    assert f"| {low:.3g}-{high:.3g} |" in table
