@@ -44,6 +44,11 @@ class AttentionMetadata:
     def num_decode_rows(self) -> int:
         return 0 if self.decode_rows is None else len(self.decode_rows.seq_lens)
 
+    def chunk_seq_lens(self) -> list[int]:
+        """seq_lens of the rows after the decode rows: the prompts' chunks, which prefill attention takes."""
+        n = self.num_decode_rows()
+        return self.seq_lens[n:] if n else self.seq_lens
+
     # The native kernels read block tables and context lengths only: the two views below are made when a path
     # that gathers the context asks (MLA, torch's decode attention), not in every step's prologue, where their
     # five tensor ops ran cold after the forward pass (~60 us a step on the demo model).

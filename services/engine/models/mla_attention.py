@@ -100,7 +100,7 @@ def _prefill(
     k_nope, v = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
     k = torch.cat((k_nope, k_rope.expand(-1, heads, -1)), dim=-1)
     q = torch.cat((q_nope, q_rope), dim=-1)
-    return prefill_attention(q, k, v, meta.seq_lens[meta.num_decode_rows():], scale, meta.prefill_kv_lens)
+    return prefill_attention(q, k, v, meta.chunk_seq_lens(), scale, meta.prefill_kv_lens)
 
 
 def _decode(

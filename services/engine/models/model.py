@@ -265,7 +265,7 @@ class MoECausalLM:
             decoded = decode_attention(q[:n], self.k_caches[i], self.v_caches[i], meta.decode_rows, self.scale)
             q, k, v = q[n:], k[n:], v[n:]
             output_rows = None if output_rows is None else output_rows[n:] - n
-        seq_lens = meta.seq_lens[n:] if n else meta.seq_lens
+        seq_lens = meta.chunk_seq_lens()
         kv_lens = seq_lens
         if meta.prefill_kv_slots is not None:  # a chunk after cached tokens: every key from the cache
             k, v = cached_kv(self.k_caches[i], self.v_caches[i], meta.prefill_kv_slots)
