@@ -31,11 +31,12 @@ def _engine(model: str, engine: dict, max_len: int, max_seqs: int = 2, **setting
     return out
 
 
-def chunking_case(model: str, engine: dict, budget: int, prompt: list[int], running_prompts: list[list[int]],
-                  decode_tokens: int) -> dict:
+def chunking_case(model: str, engine: dict, budget: int, prompt: list[int], running_prompts: list[list[int]]
+                  ) -> dict:
     """The running requests' tokens and the waits between them while `prompt` prefills, and its TTFT."""
-    # The first running requests decode while the later ones prefill: they get those steps' tokens too.
-    decode_tokens += -(-sum(len(p) for p in running_prompts) // budget)
+    # The running requests outlast the long prompt's prefill (a token in each of its chunks' steps), and the
+    # first of them decode while the later ones prefill: they get those steps' tokens too.
+    decode_tokens = 4 + -(-len(prompt) // budget) + 16 + -(-sum(len(p) for p in running_prompts) // budget)
     context = max(len(p) for p in running_prompts) + decode_tokens
     llm = _engine(model, engine, max(len(prompt), context) + 64, len(running_prompts) + 1,
                   max_num_batched_tokens=budget)
@@ -103,9 +104,7 @@ def run_prefill_bench(json_path: str, model: str, engine: dict, budgets: list[in
     with tqdm(total=len(budgets) + 2, desc="bench prefill") as bar:
         for budget in budgets:
             bar.set_postfix_str(f"budget {budget}")
-            # The running request outlasts the long prompt's prefill: a token in each of its chunks' steps.
-            decode_tokens = 4 + -(-long_tokens // budget) + 16
-            chunking.append(chunking_case(model, engine, budget, long, running_prompts, decode_tokens))
+            chunking.append(chunking_case(model, engine, budget, long, running_prompts))
             bar.update()
         for on in (False, True):
             bar.set_postfix_str(f"prefix caching {'on' if on else 'off'}")
