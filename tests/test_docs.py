@@ -47,7 +47,7 @@ def test_readme_is_short_and_keeps_the_ci_command() -> None:
     readme = (REPO_ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 220
     ci = (REPO_ROOT / ".ci" / "run").read_text()
-    command = 'pip install torch==2.13.0 && pip install -e ".[dev]" && python -m pytest -q'
+    command = 'pip install torch==2.13.0 && pip install -e ".[dev]" && python -m pytest -q -n 2 --dist loadfile'
     assert command in readme and command in ci
 
 
