@@ -394,14 +394,16 @@ def test_one_row_pairs_compute_the_single_tiles_bits(tmp_path, monkeypatch) -> N
     hs_rows_item): the same operations in the same order as one chunk at a time, so the same bits as a build
     with the pairs turned off, every format (those without a pair loop on this CPU compare with themselves)."""
     import ctypes
+    import os
+    import shlex
     import shutil
 
     if cpu_kernels.library() is None or platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the native kernels are not built here, or this is not x86 (the pairs are x86 loops)")
     monkeypatch.setenv("HINTSERVE_KERNEL_CACHE", str(tmp_path))
-    unpaired = ctypes.CDLL(str(cpu_kernels._build(shutil.which("cc") or "cc", [
-        "-O3", "-march=native", "-fno-math-errno",
-        *(f"-D{fmt}_PAIRS=0" for fmt in ("Q4", "Q8", "BF16", "F32"))])))
+    flags = shlex.split(os.environ.get("HINTSERVE_KERNEL_FLAGS", "")) or cpu_kernels._FLAG_SETS[0]  # the loaded build's
+    unpaired = ctypes.CDLL(str(cpu_kernels._build(shutil.which(os.environ.get("CC") or "cc") or "cc", [
+        *flags, *(f"-D{fmt}_PAIRS=0" for fmt in ("Q4", "Q8", "BF16", "F32"))])))
     unpaired.hs_linear.argtypes = cpu_kernels.loaded().hs_linear.argtypes
     g = torch.Generator().manual_seed(11)
     x = torch.randn(1, 512, generator=g)
@@ -409,5 +411,6 @@ def test_one_row_pairs_compute_the_single_tiles_bits(tmp_path, monkeypatch) -> N
         m = formats.pack(torch.randn(80, 512, generator=g) * 0.05, fmt, bias=torch.randn(80, generator=g))  # 5 chunks
         paired = formats.matmul(x, m)
         alone = torch.empty_like(paired)
-        assert unpaired.hs_linear(ctypes.byref(m.native()), x.data_ptr(), 512, alone.data_ptr(), 80, 1) == 0
+        assert unpaired.hs_linear(ctypes.byref(m.native()), x.data_ptr(), x.stride(0), alone.data_ptr(),
+                                  alone.stride(0), 1) == 0
         assert torch.equal(paired, alone), fmt

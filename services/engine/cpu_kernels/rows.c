@@ -993,8 +993,11 @@ INLINE void q4_dots(const uint8_t *w, const int8_t *x, int64_t k0, int64_t k1, _
     *hi = h;
 }
 
-/* The tile's float results (16 lanes, those past `valid` padding) to y. */
-INLINE void store_tile(float *y, const float *res, const float *mul, float sub, const float *bias, int valid) {
+/* The tile's float results, rows 0-7 in lo and 8-15 in hi (those past `valid` padding), to y. */
+INLINE void store_tile(float *y, __m256 lo, __m256 hi, const float *mul, float sub, const float *bias, int valid) {
+    float res[TILE];
+    _mm256_storeu_ps(res, lo);
+    _mm256_storeu_ps(res + 8, hi);
     for (int i = 0; i < valid; i++)
         y[i] = (mul ? mul[i] * (res[i] - sub) : res[i]) + (bias ? bias[i] : 0.0f);
 }
@@ -1021,12 +1024,8 @@ INLINE void q8_tile(const uint8_t *w, const float *ws, const acts *a, const int6
             hi[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dh), d, hi[r]);
         }
     }
-    for (int r = 0; r < mm; r++) {
-        float res[TILE];
-        _mm256_storeu_ps(res, lo[r]);
-        _mm256_storeu_ps(res + 8, hi[r]);
-        store_tile(y + r * ldy, res, ws, Q8_SIGNED ? 0.0f : a->corr[rows[r]], bias, valid);
-    }
+    for (int r = 0; r < mm; r++)
+        store_tile(y + r * ldy, lo[r], hi[r], ws, Q8_SIGNED ? 0.0f : a->corr[rows[r]], bias, valid);
 }
 
 /* A group's scales (rows 0-7, 8-15), then its zeros less 8 scales (the offset's and the zero's share, as the
@@ -1068,13 +1067,10 @@ INLINE void q4_tile(const uint8_t *w, int64_t g, const acts *a, const int64_t *r
             q4_add_group(sz, dl, dh, a->d[at], a->dsum[at], &lo[r], &hi[r]);
         }
     }
-    for (int r = 0; r < mm; r++) {
-        float res[TILE];
-        _mm256_storeu_ps(res, lo[r]);
-        _mm256_storeu_ps(res + 8, hi[r]);
-        store_tile(y + r * ldy, res, NULL, 0.0f, bias, valid);
-    }
+    for (int r = 0; r < mm; r++)
+        store_tile(y + r * ldy, lo[r], hi[r], NULL, 0.0f, bias, valid);
 }
+
 /* One activation row against two whole int4 tiles at once, group by group: q4_tile's operations for each, so
  * its sums bit for bit, from two streams far apart (hs_rows_item). On an AMD EPYC guest (Zen 3, AVX2 only, one
  * process alternating builds, 9-15 rounds over 160 MB of Qwen3-shape matrices) one-row int4 read 11-24% more a
@@ -1103,13 +1099,8 @@ INLINE void q4_tile_pair(const uint8_t *wa, const uint8_t *wb, int64_t g, const 
         q4_add_group(sz_a, dl_a, dh_a, d, dsum, &lo_a, &hi_a);
         q4_add_group(sz_b, dl_b, dh_b, d, dsum, &lo_b, &hi_b);
     }
-    float res[TILE];
-    _mm256_storeu_ps(res, lo_a);
-    _mm256_storeu_ps(res + 8, hi_a);
-    store_tile(ya, res, NULL, 0.0f, bias_a, TILE);
-    _mm256_storeu_ps(res, lo_b);
-    _mm256_storeu_ps(res + 8, hi_b);
-    store_tile(yb, res, NULL, 0.0f, bias_b, TILE);
+    store_tile(ya, lo_a, hi_a, NULL, 0.0f, bias_a, TILE);
+    store_tile(yb, lo_b, hi_b, NULL, 0.0f, bias_b, TILE);
 }
 #elif defined(HAVE_NEON_DOT)
 /* q8_tile and q4_tile: rows_neon.h */
