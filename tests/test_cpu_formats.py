@@ -59,15 +59,45 @@ def test_packed_grids_are_the_groupwise_quantisers() -> None:
 
 
 def test_packing_by_blocks_of_rows_is_packing_the_whole_matrix() -> None:
-    """pack quantizes PACK_BLOCK_ROWS rows at a time (a bounded transient): the bytes are the whole matrix's,
-    the last block's padding to a tile included."""
-    w = torch.randn(2 * formats.PACK_BLOCK_ROWS + 7, 128, dtype=torch.bfloat16)
+    """Where the native quantizer does not take a matrix (here fp16), pack quantizes PACK_BLOCK_ROWS rows at a
+    time (a bounded transient): the bytes are the whole matrix's, the last block's padding to a tile included."""
+    w = torch.randn(2 * formats.PACK_BLOCK_ROWS + 7, 128, dtype=torch.float16)
+    assert formats._native_quantize(w, "int4", 64, torch.empty(0, dtype=torch.uint8)) is None
     whole4 = formats.from_int4(*quantize_int4(w, 64), 64)
     blocks4 = formats.pack(w, "int4", 64)
     assert torch.equal(blocks4.weight, whole4.weight) and blocks4.weight.shape == whole4.weight.shape
     whole8, blocks8 = formats.from_int8(*quantize_int8(w)), formats.pack(w, "int8")
     assert torch.equal(blocks8.weight, whole8.weight) and blocks8.scales is not None and whole8.scales is not None
     assert torch.equal(blocks8.scales, whole8.scales)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("fmt", "group"), [("int4", 32), ("int4", 64), ("int4", 128), ("int8", 0)])
+def test_the_native_quantizer_makes_the_torch_ops_bits(dtype: torch.dtype, fmt: str, group: int) -> None:
+    """quantize.c packs at load exactly what quant/groupwise's ops and from_int4 / from_int8 make: over rows
+    past a whole tile, a flat group, a row of zeros, magnitudes from 1e-6 to 100 and a strided source."""
+    gen = torch.Generator().manual_seed(7)
+    rows = 2 * formats.TILE + 5
+    source = torch.randn(rows, 512, generator=gen) * torch.logspace(-6, 2, rows)[:, None]
+    source[0, :128] = 0.5
+    source[1] = 0.0
+    # Halves on the grid (scale 1), where rounding half to even and half away from zero part.
+    source[2, :128] = torch.arange(128) % 15 + 0.5
+    source[2, 0:128:32], source[2, 1:128:32] = 0.0, 15.0
+    source[3] = torch.arange(512) % 8 - 3.5
+    source[3, 0] = 127.0
+    w = source.to(dtype)[:, :384]  # a row stride of 512 over 384 inputs
+    padded = -(-rows // formats.TILE) * formats.TILE
+    weight = torch.full((padded, formats.packed_nbytes((rows, 384), fmt, group or 64) // padded), 0xAB,
+                        dtype=torch.uint8)
+    scales = formats._native_quantize(w, fmt, group or 64, weight)
+    assert scales is not None  # the native pass ran
+    if fmt == "int4":
+        reference = formats.from_int4(*quantize_int4(w, group), group)
+    else:
+        reference = formats.from_int8(*quantize_int8(w))
+        assert reference.scales is not None and torch.equal(scales, reference.scales)
+    assert torch.equal(weight, reference.weight.reshape(weight.shape))
 
 
 def test_an_int4_tile_is_one_stream_each_groups_scales_after_its_nibbles() -> None:

@@ -107,6 +107,11 @@ def test_the_checkpoint_reader_reads_each_tensor_in_place_and_names_a_truncated_
     for name, t in tensors.items():
         assert torch.equal(ckpt.get(name), t)
     assert ckpt.dtype() == torch.float32 and sorted(ckpt.names()) == ["a.weight", "b", "c"]
+    buffer = torch.empty(15, dtype=torch.float32)
+    assert torch.equal(ckpt.read_into("a.weight", buffer), tensors["a.weight"]) and torch.equal(buffer.view(3, 5),
+                                                                                                 tensors["a.weight"])
+    with pytest.raises(ValueError, match="is 60 bytes; the buffer given holds 64"):
+        ckpt.read_into("a.weight", torch.empty(16))
     path = tmp_path / "model.safetensors"
     header_len = int.from_bytes(path.read_bytes()[:8], "little")
     offsets = json.loads(path.read_bytes()[8 : 8 + header_len])

@@ -36,7 +36,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("kernels.c", "threadpool.c", "matmul.c", "rows.c", "moe.c",
-                                                          "layer.c", "amx.c")]
+                                                          "layer.c", "amx.c", "quantize.c")]
 HEADERS = [Path(__file__).with_name(name) for name in ("hs.h", "rows_neon.h")]
 # The second where the compiler knows no -march=native. -fno-math-errno: lrintf inline, not a libm call per element.
 _FLAG_SETS = (["-O3", "-march=native", "-fno-math-errno"], ["-O3", "-fno-math-errno"])
@@ -121,6 +121,8 @@ def library() -> ctypes.CDLL | None:
     lib.hs_linear.argtypes = [_ptr, _ptr, _i64, _ptr, _i64, _i64]
     lib.hs_moe.restype = ctypes.c_int
     lib.hs_moe.argtypes = [_ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr]
+    lib.hs_quantize.restype = ctypes.c_int
+    lib.hs_quantize.argtypes = [_i64, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr]
     lib.hs_route_softmax.restype = ctypes.c_int
     lib.hs_route_softmax.argtypes = [_ptr, _ptr, _i64, _i64, _i64, ctypes.c_int, _ptr, _ptr, _ptr]
     lib.hs_decode_layer.restype = ctypes.c_int

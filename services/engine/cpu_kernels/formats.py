@@ -143,6 +143,11 @@ def _pack_quantized(w: torch.Tensor, fmt: str, group: int, bias: torch.Tensor | 
     n, k = w.shape
     rows = -(-n // TILE) * TILE
     weight = (alloc or huge_page_empty)((rows, packed_nbytes((n, k), fmt, group) // rows), torch.uint8)
+    native = _native_quantize(w, fmt, group, weight)
+    if native is not None:
+        if fmt == "int8":
+            return CpuMatrix("int8", (n, k), weight, native, bias=bias)
+        return CpuMatrix("int4", (n, k), weight, None, group, bias)
     scales = []
     for r0 in range(0, n, PACK_BLOCK_ROWS):
         block = w[r0 : r0 + PACK_BLOCK_ROWS]
@@ -158,6 +163,24 @@ def _pack_quantized(w: torch.Tensor, fmt: str, group: int, bias: torch.Tensor | 
     if fmt == "int8":
         return CpuMatrix("int8", (n, k), weight, torch.cat([s for s in scales if s is not None]), bias=bias)
     return CpuMatrix("int4", (n, k), weight, None, group, bias)
+
+
+_QUANTIZE_SOURCES = {torch.float32: 0, torch.bfloat16: 1}  # quantize.c's source types
+
+
+def _native_quantize(w: torch.Tensor, fmt: str, group: int, weight: torch.Tensor) -> torch.Tensor | None:
+    """quantize.c's one pass, the same bits as the torch ops below: int8's row scales (int4: an empty tensor),
+    or None where the kernels are not built or do not take w (another dtype, strided inputs, odd widths)."""
+    lib = cpu_kernels.library()
+    source = _QUANTIZE_SOURCES.get(w.dtype)
+    if (lib is None or source is None or w.device.type != "cpu" or w.stride(1) != 1
+            or not native_widths(fmt, w.shape[1], group) or (fmt == "int4" and group > 128)):
+        return None
+    scales = torch.empty(weight.shape[0] if fmt == "int8" else 0)
+    if lib.hs_quantize(FORMAT_IDS[fmt], w.data_ptr(), source, w.stride(0), w.shape[0], w.shape[1], group,
+                       weight.data_ptr(), scales.data_ptr() if fmt == "int8" else None):
+        return None
+    return scales
 
 
 def from_int8(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,

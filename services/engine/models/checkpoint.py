@@ -53,23 +53,44 @@ class Checkpoint:
         return header, 8 + length
 
     def get(self, name: str) -> torch.Tensor:
+        dtype, shape = self.spec(name)
+        return self.read_into(name, torch.empty(shape, dtype=dtype))
+
+    def spec(self, name: str) -> tuple[torch.dtype, list[int]]:
+        """The tensor's dtype and shape, from its shard's header (nothing read)."""
+        entry = self._entry(name)[0]
+        dtype = _DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise ValueError(f"tensor {name!r} in {self._shard_of[name]} has dtype {entry['dtype']}, which we do "
+                             "not read")
+        return dtype, entry["shape"]
+
+    def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        """Reads the tensor into `out` (contiguous CPU memory of its bytes, any dtype): what a loader that packs
+        each tensor anew reuses, read after read, rather than fault in fresh pages for every one."""
+        entry, data_start = self._entry(name)
+        begin, end = entry["data_offsets"]
+        dtype, shape = self.spec(name)
+        if not out.is_contiguous() or out.device.type != "cpu" or out.numel() * out.element_size() != end - begin:
+            raise ValueError(f"tensor {name!r} is {end - begin} bytes; the buffer given holds "
+                             f"{out.numel() * out.element_size()} (or is not contiguous CPU memory)")
+        raw = out.view(-1).view(torch.uint8)
+        shard = self._shard_of[name]
+        with open(os.path.join(self.model_dir, shard), "rb", buffering=0) as f:
+            f.seek(data_start + begin)
+            if f.readinto(raw.numpy().data) != end - begin:
+                raise ValueError(f"{shard} is truncated: tensor {name!r} runs past its end")
+        return raw.view(dtype).view(shape)
+
+    def _entry(self, name: str) -> tuple[dict, int]:
+        """The tensor's header entry and where its shard's data starts."""
         shard = self._shard_of.get(name)
         if shard is None:
             raise KeyError(f"tensor {name!r} not in checkpoint {self.model_dir}")
         if shard not in self._headers:
             self._headers[shard] = self._header(shard)
         header, data_start = self._headers[shard]
-        entry = header[name]
-        begin, end = entry["data_offsets"]
-        dtype = _DTYPES.get(entry["dtype"])
-        if dtype is None:
-            raise ValueError(f"tensor {name!r} in {shard} has dtype {entry['dtype']}, which we do not read")
-        out = torch.empty(end - begin, dtype=torch.uint8)
-        with open(os.path.join(self.model_dir, shard), "rb", buffering=0) as f:
-            f.seek(data_start + begin)
-            if f.readinto(out.numpy().data) != end - begin:
-                raise ValueError(f"{shard} is truncated: tensor {name!r} runs past its end")
-        return out.view(dtype).view(entry["shape"])
+        return header[name], data_start
 
     def dtype(self) -> torch.dtype | None:
         for name in self._shard_of:

@@ -51,8 +51,10 @@ def load_resident_experts(
             stacks.append(None)
             natives.append(None)
             continue
-        load = expert_loader(reader, spec, layer, as_stored=converts(layout, reader.dtype))
         packed = _layer_buffer(layout, spec.num_experts, reader.device)
+        # Into a layer buffer, each expert is copied as soon as it is read: its reads may reuse two buffers.
+        load = expert_loader(reader, spec, layer, as_stored=converts(layout, reader.dtype),
+                             transient=packed is not None)
         layer_experts = [_place(load(e, reader.device), layout, reader.device, packed, e)
                          for e in range(spec.num_experts)]
         stacked = None

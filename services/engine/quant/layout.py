@@ -64,9 +64,12 @@ class QuantizedExpertLayout:
     def pack(self, w: ExpertWeights, flat: torch.Tensor) -> None:
         """Quantizes a float expert into `flat` (which may live on the host)."""
         for name, matrix in (("gate_up", w.gate_up), ("down", w.down)):
-            packed = pack_matrix(matrix, self.scheme, self.device)
             qweight, scales = self.pieces[name]
-            qweight.view(flat).copy_(packed.qweight)
+            # On the host, packed straight into its piece (no copy); a device layout is made, then copied.
+            into = qweight.view(flat) if self.device.type == "cpu" and flat.device.type == "cpu" else None
+            packed = pack_matrix(matrix, self.scheme, self.device, into)
+            if into is None:
+                qweight.view(flat).copy_(packed.qweight)
             if scales is not None and packed.scales is not None:
                 scales.view(flat).copy_(packed.scales)
 

@@ -58,12 +58,18 @@ def _int4_inner_k_tiles(k: int) -> int:
     raise ValueError(f"CUDA int4 kernel needs an input dimension divisible by 32, got {k}")
 
 
-def pack_matrix(w: torch.Tensor, scheme: QuantScheme, device: torch.device | str) -> PackedMatrix:
-    """Quantizes a float [out, in] matrix (round-to-nearest) into the kernel layout of `device`."""
+def pack_matrix(w: torch.Tensor, scheme: QuantScheme, device: torch.device | str,
+                into: torch.Tensor | None = None) -> PackedMatrix:
+    """Quantizes a float [out, in] matrix (round-to-nearest) into the kernel layout of `device`. into: on the
+    CPU, memory of the packed weight's bytes to pack it straight into (an expert buffer's piece)."""
     device = torch.device(device)
     n, k = w.shape
     if device.type == "cpu":
-        m = formats.pack(w, f"int{scheme.bits}", scheme.group_size)
+        def place(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            assert into is not None
+            return into.view(dtype).view(shape)
+
+        m = formats.pack(w, f"int{scheme.bits}", scheme.group_size, alloc=None if into is None else place)
         return PackedMatrix(scheme.bits, scheme.group_size, (n, k), m.weight, m.scales, on_cpu=True)
     if scheme.bits == 8:
         q, scale = quantize_int8(w)
