@@ -102,7 +102,7 @@ def test_quantized_experts_are_read_as_stored_and_pack_the_same(qwen3_dir: str, 
     """Experts that a layout quantizes are read in the checkpoint's bf16, not widened to the run dtype first
     (the load's peak held a float32 copy); the packed bytes are the same either way."""
     from services.engine.models import resident
-    from services.engine.models.weights import WeightReader, expert_loader
+    from services.engine.models.weights import WeightReader, expert_loader, read_ahead
     from services.engine.quant.checkpoint import open_checkpoint
     from services.engine.quant.layout import ExpertLayout, converts, expert_layout
 
@@ -110,15 +110,15 @@ def test_quantized_experts_are_read_as_stored_and_pack_the_same(qwen3_dir: str, 
     reader = WeightReader(open_checkpoint(qwen3_dir, None), torch.float32, "cpu")
     assert expert_loader(reader, spec, 0, as_stored=True)(0, "cpu").gate_up.dtype == torch.bfloat16
     assert expert_loader(reader, spec, 0)(0, "cpu").gate_up.dtype == torch.float32
-    # Transient reads (the caller packs each expert before the next): the same tensors, in two reused buffers.
+    # Transient reads, read ahead (the caller packs each expert before it asks for the one after next): the
+    # same tensors, in two sets of buffers taken in turn, each expert intact while the next one is read.
     transient = expert_loader(reader, spec, 0, as_stored=True, transient=True)
     plain = expert_loader(reader, spec, 0, as_stored=True)
-    first = transient(0, "cpu")
-    pointers = (first.gate_up.data_ptr(), first.down.data_ptr())
-    assert torch.equal(first.gate_up, plain(0, "cpu").gate_up) and torch.equal(first.down, plain(0, "cpu").down)
-    second = transient(1, "cpu")
-    assert (second.gate_up.data_ptr(), second.down.data_ptr()) == pointers
-    assert torch.equal(second.gate_up, plain(1, "cpu").gate_up) and torch.equal(second.down, plain(1, "cpu").down)
+    pointers = []
+    for e, w in enumerate(read_ahead(transient, 3, "cpu")):
+        assert torch.equal(w.gate_up, plain(e, "cpu").gate_up) and torch.equal(w.down, plain(e, "cpu").down)
+        pointers.append((w.gate_up.data_ptr(), w.down.data_ptr()))
+    assert pointers[0] == pointers[2] != pointers[1]
     int4 = expert_layout(2048, spec.moe_intermediate_size, "int4", 64, torch.float32, "cpu")
     assert converts(int4, torch.float32) and converts(ExpertLayout(2048, 768, torch.bfloat16), torch.float32)
     assert not converts(ExpertLayout(2048, 768, torch.float32), torch.float32) and not converts(None, torch.float32)

@@ -13,7 +13,7 @@ from services.engine.models.geometry import expert_bytes, total_experts
 from services.engine.models.native_moe import NativeExperts
 from services.engine.models.packed_linear import should_pack
 from services.engine.models.spec import ModelSpec
-from services.engine.models.weights import WeightReader, expert_loader
+from services.engine.models.weights import WeightReader, expert_loader, read_ahead
 from services.engine.quant.layout import StoredLayout, converts
 from services.engine.quant.packed import QuantizedExpertWeights
 
@@ -55,8 +55,8 @@ def load_resident_experts(
         # Into a layer buffer, each expert is copied as soon as it is read: its reads may reuse two buffers.
         load = expert_loader(reader, spec, layer, as_stored=converts(layout, reader.dtype),
                              transient=packed is not None)
-        layer_experts = [_place(load(e, reader.device), layout, reader.device, packed, e)
-                         for e in range(spec.num_experts)]
+        layer_experts = [_place(w, layout, reader.device, packed, e)
+                         for e, w in enumerate(read_ahead(load, spec.num_experts, reader.device))]
         stacked = None
         native = NativeExperts.build(layer_experts) if fused and str(reader.device) == "cpu" else None
         natives.append(native)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -200,7 +201,8 @@ def expert_loader(
     """A function reading one expert of `layer` (by index) onto a device, whatever the on-disk layout.
     as_stored: in the checkpoint's float dtype, not the run dtype (for a layout that converts it anyway:
     quantizing a bf16 expert read as fp32 held twice the bytes at the load's peak). transient: the caller copies
-    each expert into memory of its own before it asks for the next, so its tensors may be reused buffers."""
+    each expert into memory of its own before it asks for the one after next (read_ahead's order), so its
+    tensors may be reused buffers."""
     prefix = _moe_prefix(reader.ckpt, layer)
     fused = f"{prefix}.experts.gate_up_proj"
     if fused in reader.ckpt:
@@ -236,16 +238,18 @@ def expert_loader(
 
 
 class _ReusedExpertReads:
-    """An expert's three tensors read into two buffers that every call reuses, gate and up straight into their
-    rows of gate_up. Why: a fresh buffer per tensor page-faulted 3-9 MB in (and out again) per expert, and
-    joining gate and up copied them once more; the int4 load of a 30B-parameter bf16 checkpoint spent more time
-    in the kernel than in reading and packing."""
+    """An expert's three tensors read into buffers that the reads reuse, gate and up straight into their rows of
+    gate_up; two sets taken in turn, so an expert stays valid while the next one is read (read_ahead). Why: a
+    fresh buffer per tensor page-faulted 3-9 MB in (and out again) per expert, and joining gate and up copied
+    them once more; the int4 load of a 30B-parameter bf16 checkpoint spent more time in the kernel than in
+    reading and packing."""
 
-    def __init__(self, ckpt: Checkpoint, gate_rows: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+    def __init__(self, ckpt: Checkpoint, gate_rows: int, gate_up: tuple[int, int], down: list[int],
+                 dtype: torch.dtype) -> None:
         self.ckpt = ckpt
         self.gate_rows = gate_rows
-        self.gate_up = gate_up
-        self.down = down
+        self.sets = [(torch.empty(gate_up, dtype=dtype), torch.empty(down, dtype=dtype)) for _ in range(2)]
+        self.reads = 0
 
     @classmethod
     def of(cls, reader: WeightReader, names: list[str], as_stored: bool) -> _ReusedExpertReads | None:
@@ -257,12 +261,28 @@ class _ReusedExpertReads:
         if (len({gate_dtype, up_dtype, down_dtype}) != 1 or reader.read_dtype(gate_dtype, as_stored) != gate_dtype
                 or len(gate) != 2 or len(up) != 2 or gate[1] != up[1]):
             return None
-        return cls(ckpt, gate[0], torch.empty(gate[0] + up[0], gate[1], dtype=gate_dtype),
-                   torch.empty(down, dtype=down_dtype))
+        return cls(ckpt, gate[0], (gate[0] + up[0], gate[1]), down, gate_dtype)
 
     def read(self, gate: str, up: str, down: str) -> ExpertWeights:
-        """The expert in the reused buffers: valid until the next read."""
-        self.ckpt.read_into(gate, self.gate_up[: self.gate_rows])
-        self.ckpt.read_into(up, self.gate_up[self.gate_rows :])
-        self.ckpt.read_into(down, self.down)
-        return ExpertWeights(self.gate_up, self.down)
+        """The expert in one of the reused sets: valid until the read after next."""
+        gate_up, down_buffer = self.sets[self.reads % 2]
+        self.reads += 1
+        self.ckpt.read_into(gate, gate_up[: self.gate_rows])
+        self.ckpt.read_into(up, gate_up[self.gate_rows :])
+        self.ckpt.read_into(down, down_buffer)
+        return ExpertWeights(gate_up, down_buffer)
+
+
+def read_ahead(
+    load: Callable[[int, torch.device | str], ExpertWeights], count: int, device: torch.device | str
+) -> Iterator[ExpertWeights]:
+    """Experts 0 .. count-1 of `load` in order, each next one read on a helper thread while the caller packs
+    the one before (file reads and the native packing both leave the GIL). A transient loader's expert stays
+    valid until the read after next, so the caller must be done with it when it asks for the one after."""
+    with ThreadPoolExecutor(1, thread_name_prefix="hintserve-read-ahead") as pool:
+        pending = pool.submit(load, 0, device) if count else None
+        for expert in range(count):
+            assert pending is not None
+            weights = pending.result()
+            pending = pool.submit(load, expert + 1, device) if expert + 1 < count else None
+            yield weights

@@ -13,7 +13,7 @@ from services.engine.expert_format import ExpertLayout
 from services.engine.expert_provider import StoredWeights
 from services.engine.host_allocator import huge_page_empty
 from services.engine.models.spec import ModelSpec
-from services.engine.models.weights import WeightReader, expert_loader
+from services.engine.models.weights import WeightReader, expert_loader, read_ahead
 from services.engine.quant.layout import StoredLayout, converts
 
 Key = tuple[int, int]  # (layer, expert)
@@ -48,8 +48,7 @@ class HostExpertStore:
             # Unpinned (the host computes from it, no DMA reads it): one buffer a layer on huge pages, which
             # the host's kernels stream faster (host_allocator.huge_page_empty).
             layer_buffer = None if pin else huge_page_empty((spec.num_experts, self.layout.numel), self.dtype)
-            for expert in range(spec.num_experts):
-                w = load(expert, "cpu")  # never placed on the device
+            for expert, w in enumerate(read_ahead(load, spec.num_experts, "cpu")):  # never placed on the device
                 flat = (layer_buffer[expert] if layer_buffer is not None
                         else torch.empty(self.layout.numel, dtype=self.dtype, pin_memory=pin))
                 self.layout.pack(w, flat)
