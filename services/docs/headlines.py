@@ -59,8 +59,15 @@ def _vs_llamacpp(d: dict) -> str:
     rows = d["rows"]
     decode = [r["decode_ratio"] for r in rows if r["decode_ratio"] is not None]
     prefill = [r["prefill_ratio"] for r in rows if r["prefill_ratio"] is not None]
+    gguf = " / ".join(dict.fromkeys(r["format"].split(" / ")[-1] for r in rows))
+    threads = " and ".join(str(t) for t in dict.fromkeys(r["threads"] for r in rows))
     return (f"decode {fmt(min(decode))}-{fmt(max(decode))}x, prefill {fmt(min(prefill))}-{fmt(max(prefill))}x "
-            f"llama.cpp's tok/s across F32 / BF16 / Q8_0 / Q4_0 at 1 and 2 threads")
+            f"llama.cpp's tok/s across {gguf} at {threads} threads")
+
+
+def _vs_llamacpp_memory(d: dict) -> str:
+    rss = [r["rss_over_tensors"] for r in d["rows"] if r["rss_over_tensors"] is not None]
+    return f"{_vs_llamacpp(d)}; peak RSS {fmt(min(rss))}-{fmt(max(rss))}x the live tensors"
 
 
 def _quant(d: dict) -> str:
@@ -84,6 +91,8 @@ HEADLINES = (
              "benchmarks/simulator.md", _simulated),
     Headline("Real-shape CPU decode and prefill vs llama.cpp (Qwen3-30B-A3B layers, batch 1; Zen 4, AVX-512)",
              "vs_llamacpp.json", "benchmarks/cpu-real-shape.md", _vs_llamacpp),
+    Headline("The same at 24 layers (15B parameters) in the formats that fit 24 GB (Zen 4)",
+             "vs_llamacpp_24_layers.json", "benchmarks/cpu-real-shape.md", _vs_llamacpp_memory),
     Headline("The same on an AVX2-only CPU (Zen 3)", "vs_llamacpp_zen3.json", "benchmarks/cpu-real-shape.md",
              _vs_llamacpp),
     Headline("The same on a Zen 4 with AVX-512 hidden (AVX2 loops)", "vs_llamacpp_zen4_avx2.json",
