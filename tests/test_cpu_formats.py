@@ -11,7 +11,15 @@ import torch.nn.functional as F
 from services.engine import cpu_kernels
 from services.engine.config import EngineConfig
 from services.engine.cpu_kernels import formats
-from services.engine.quant.groupwise import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+from services.engine.quant import groupwise
+from services.engine.quant.groupwise import (
+    dequantize_int4,
+    dequantize_int8,
+    quantize_int4,
+    quantize_int4_ops,
+    quantize_int8,
+    quantize_int8_ops,
+)
 
 FORMATS = ("fp32", "bf16", "int8", "int4")
 # Where the math differs from an fp32 product with the dequantised weights: bf16 rounds the activations to
@@ -71,33 +79,44 @@ def test_packing_by_blocks_of_rows_is_packing_the_whole_matrix() -> None:
     assert torch.equal(blocks8.scales, whole8.scales)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(("fmt", "group"), [("int4", 32), ("int4", 64), ("int4", 128), ("int8", 0)])
-def test_the_native_quantizer_makes_the_torch_ops_bits(dtype: torch.dtype, fmt: str, group: int) -> None:
-    """quantize.c packs at load exactly what quant/groupwise's ops and from_int4 / from_int8 make: over rows
-    past a whole tile, a flat group, a row of zeros, magnitudes from 1e-6 to 100 and a strided source."""
+def hard_to_quantize(dtype: torch.dtype) -> torch.Tensor:
+    """[37, 384] of `dtype` with a row stride of 512: rows past a whole tile, a flat group, a row of zeros,
+    magnitudes from 1e-6 to 100, and halves on the grid (scale 1), where rounding half to even and half away
+    from zero part."""
     gen = torch.Generator().manual_seed(7)
     rows = 2 * formats.TILE + 5
     source = torch.randn(rows, 512, generator=gen) * torch.logspace(-6, 2, rows)[:, None]
     source[0, :128] = 0.5
     source[1] = 0.0
-    # Halves on the grid (scale 1), where rounding half to even and half away from zero part.
     source[2, :128] = torch.arange(128) % 15 + 0.5
     source[2, 0:128:32], source[2, 1:128:32] = 0.0, 15.0
     source[3] = torch.arange(512) % 8 - 3.5
     source[3, 0] = 127.0
-    w = source.to(dtype)[:, :384]  # a row stride of 512 over 384 inputs
+    return source.to(dtype)[:, :384]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("fmt", "group"), [("int4", 32), ("int4", 64), ("int4", 128), ("int8", 0)])
+def test_the_native_quantizer_makes_the_torch_ops_bits(dtype: torch.dtype, fmt: str, group: int) -> None:
+    """quantize.c packs at load exactly what quant/groupwise's torch ops and from_int4 / from_int8 make, and
+    quantize_int4 / quantize_int8 (its plain grids, which the CUDA layouts pack) are the ops' bits too."""
+    w = hard_to_quantize(dtype)
+    rows = w.shape[0]
     padded = -(-rows // formats.TILE) * formats.TILE
     weight = torch.full((padded, formats.packed_nbytes((rows, 384), fmt, group or 64) // padded), 0xAB,
                         dtype=torch.uint8)
     scales = formats._native_quantize(w, fmt, group or 64, weight)
     assert scales is not None  # the native pass ran
     if fmt == "int4":
-        reference = formats.from_int4(*quantize_int4(w, group), group)
+        reference = formats.from_int4(*quantize_int4_ops(w, group), group)
     else:
-        reference = formats.from_int8(*quantize_int8(w))
+        reference = formats.from_int8(*quantize_int8_ops(w))
         assert reference.scales is not None and torch.equal(scales, reference.scales)
     assert torch.equal(weight, reference.weight.reshape(weight.shape))
+    grids = quantize_int4(w, group) if fmt == "int4" else quantize_int8(w)
+    ops = quantize_int4_ops(w, group) if fmt == "int4" else quantize_int8_ops(w)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(grids, ops, strict=True))
+    assert groupwise._native_grid(w, group) is not None  # the grids came from the native pass
 
 
 def test_an_int4_tile_is_one_stream_each_groups_scales_after_its_nibbles() -> None:

@@ -123,6 +123,8 @@ def library() -> ctypes.CDLL | None:
     lib.hs_moe.argtypes = [_ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr]
     lib.hs_quantize.restype = ctypes.c_int
     lib.hs_quantize.argtypes = [_i64, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr]
+    lib.hs_quantize_grid.restype = ctypes.c_int
+    lib.hs_quantize_grid.argtypes = [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr]
     lib.hs_route_softmax.restype = ctypes.c_int
     lib.hs_route_softmax.argtypes = [_ptr, _ptr, _i64, _i64, _i64, ctypes.c_int, _ptr, _ptr, _ptr]
     lib.hs_decode_layer.restype = ctypes.c_int
