@@ -52,7 +52,7 @@ def load_resident_experts(
             natives.append(None)
             continue
         packed = _layer_buffer(layout, spec.num_experts, reader.device)
-        # Into a layer buffer, each expert is copied as soon as it is read: its reads may reuse two buffers.
+        # Into a layer buffer, each expert is copied as soon as it is read: its reads may reuse buffers (weights.read_ahead).
         load = expert_loader(reader, spec, layer, as_stored=converts(layout, reader.dtype),
                              transient=packed is not None)
         layer_experts = [_place(w, layout, reader.device, packed, e)

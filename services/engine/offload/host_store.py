@@ -42,7 +42,7 @@ class HostExpertStore:
         self._views: dict[Key, StoredWeights] = {}
         layers = [layer for layer in range(spec.num_layers) if spec.moe_layers[layer]]
         for layer in tqdm(layers, desc="host expert store", unit="layer", leave=False):
-            # Each expert is packed into its buffer as soon as it is read: its reads may reuse two buffers.
+            # Each expert is packed into its buffer as soon as it is read: its reads may reuse buffers (weights.read_ahead).
             load = expert_loader(reader, spec, layer, as_stored=converts(self.layout, reader.dtype),
                                  transient=True)
             # Unpinned (the host computes from it, no DMA reads it): one buffer a layer on huge pages, which
