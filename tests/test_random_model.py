@@ -99,8 +99,9 @@ def test_bad_random_builds_exit_2(extra: list[str], tmp_path, capsys) -> None:
 
 
 def test_quantized_experts_are_read_as_stored_and_pack_the_same(qwen3_dir: str, monkeypatch) -> None:
-    """Experts that a layout quantizes are read in the checkpoint's bf16, not widened to the run dtype first
-    (the load's peak held a float32 copy); the packed bytes are the same either way."""
+    """Experts that a CPU layer buffer packs (quantized, or dense in another dtype) are read in the checkpoint's
+    bf16, not widened to the run dtype first (the load's peak held a float32 copy, and the fp32 load faulted in
+    a widened copy of every tensor); the packed bytes are the same either way."""
     from services.engine.models import resident
     from services.engine.models.weights import WeightReader, expert_loader, read_ahead
     from services.engine.quant.checkpoint import open_checkpoint
@@ -123,11 +124,27 @@ def test_quantized_experts_are_read_as_stored_and_pack_the_same(qwen3_dir: str, 
     assert converts(int4, torch.float32) and converts(ExpertLayout(2048, 768, torch.bfloat16), torch.float32)
     assert not converts(ExpertLayout(2048, 768, torch.float32), torch.float32) and not converts(None, torch.float32)
 
-    def packed_experts() -> list[torch.Tensor]:
-        provider = resident.load_resident_experts(reader, spec, int4)
-        return [m.qweight.clone() for w in provider._experts[0] for m in (w.gate_up, w.down)]
+    # Every expert packed into a CPU layer buffer, dense fp32 too, is read as stored and converted as it is
+    # packed: the same bytes as reading it widened.
+    asked: list[bool] = []
+    widen = False
 
-    as_stored = packed_experts()
-    monkeypatch.setattr(resident, "converts", lambda layout, dtype: False)
-    widened = packed_experts()
-    assert all(torch.equal(a, b) for a, b in zip(as_stored, widened))
+    def loader(*args, **kwargs):
+        asked.append(kwargs["as_stored"])
+        return expert_loader(*args, **{**kwargs, "as_stored": kwargs["as_stored"] and not widen})
+
+    monkeypatch.setattr(resident, "expert_loader", loader)
+
+    def packed_experts(layout) -> list[torch.Tensor]:
+        provider = resident.load_resident_experts(reader, spec, layout)
+        return [t.clone() for w in provider._experts[0] for m in (w.gate_up, w.down)
+                for t in ([m] if isinstance(m, torch.Tensor) else [m.qweight])]
+
+    for layout in (int4, ExpertLayout(2048, spec.moe_intermediate_size, torch.float32)):
+        asked.clear()
+        as_stored = packed_experts(layout)
+        assert asked and all(asked)
+        widen = True
+        widened = packed_experts(layout)
+        widen = False
+        assert len(as_stored) == len(widened) and all(torch.equal(a, b) for a, b in zip(as_stored, widened))

@@ -52,9 +52,11 @@ def load_resident_experts(
             natives.append(None)
             continue
         packed = _layer_buffer(layout, spec.num_experts, reader.device)
-        # Into a layer buffer, each expert is copied as soon as it is read: its reads may reuse buffers (weights.read_ahead).
-        load = expert_loader(reader, spec, layer, as_stored=converts(layout, reader.dtype),
-                             transient=packed is not None)
+        # Into a layer buffer, each expert is packed (and converted) as soon as it is read: read as stored, into
+        # buffers the reads reuse (weights.read_ahead).
+        transient = packed is not None
+        load = expert_loader(reader, spec, layer, as_stored=transient or converts(layout, reader.dtype),
+                             transient=transient)
         layer_experts = [_place(w, layout, reader.device, packed, e)
                          for e, w in enumerate(read_ahead(load, spec.num_experts, reader.device))]
         stacked = None

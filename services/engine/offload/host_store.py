@@ -14,7 +14,7 @@ from services.engine.expert_provider import StoredWeights
 from services.engine.host_allocator import huge_page_empty
 from services.engine.models.spec import ModelSpec
 from services.engine.models.weights import WeightReader, expert_loader, read_ahead
-from services.engine.quant.layout import StoredLayout, converts
+from services.engine.quant.layout import StoredLayout
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -42,9 +42,9 @@ class HostExpertStore:
         self._views: dict[Key, StoredWeights] = {}
         layers = [layer for layer in range(spec.num_layers) if spec.moe_layers[layer]]
         for layer in tqdm(layers, desc="host expert store", unit="layer", leave=False):
-            # Each expert is packed into its buffer as soon as it is read: its reads may reuse buffers (weights.read_ahead).
-            load = expert_loader(reader, spec, layer, as_stored=converts(self.layout, reader.dtype),
-                                 transient=True)
+            # Each expert is packed (and converted) into its buffer as soon as it is read: read as stored, into
+            # buffers the reads reuse (weights.read_ahead).
+            load = expert_loader(reader, spec, layer, as_stored=True, transient=True)
             # Unpinned (the host computes from it, no DMA reads it): one buffer a layer on huge pages, which
             # the host's kernels stream faster (host_allocator.huge_page_empty).
             layer_buffer = None if pin else huge_page_empty((spec.num_experts, self.layout.numel), self.dtype)
