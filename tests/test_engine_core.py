@@ -84,6 +84,24 @@ def test_top_k_one_is_greedy(engine: LLMEngine) -> None:
     assert engine.generate([prompt], params)[0] == engine.generate([prompt], GREEDY)[0][:12]
 
 
+def test_a_stop_string_found_after_the_core_ended_at_max_tokens_is_counted_as_a_stop(engine: LLMEngine) -> None:
+    """The frontend finds stop strings; when the core has already ended that request at max_tokens (it ran
+    past the frontend's abort), the finish is counted as the stop the client was given, once."""
+    finished_stop, finished_length = 'requests_finished_total{reason="stop"}', 'requests_finished_total{reason="length"}'
+    before = engine.stats()
+    seq = engine.add_request("ran-past", _prompts(1)[0], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    ended = engine.stats()
+    assert ended[finished_length] == before.get(finished_length, 0) + 1
+    assert engine.abort_request("ran-past", seq.serial + 1, "stop") is None  # another admission: not this one
+    assert engine.abort_request("ran-past", seq.serial, "stop") is None
+    assert engine.abort_request("ran-past", seq.serial, "stop") is None  # a second abort moves nothing
+    after = engine.stats()
+    assert after[finished_length] == before.get(finished_length, 0)
+    assert after[finished_stop] == before.get(finished_stop, 0) + 1
+
+
 def test_stop_token_ids_and_max_tokens(engine: LLMEngine) -> None:
     prompt = _prompts(1)[0]
     full = engine.generate([prompt], GREEDY)[0]

@@ -7,7 +7,7 @@ import logging
 import math
 import os
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 
 import torch
 from transformers import AutoTokenizer
@@ -38,6 +38,7 @@ from services.engine.sequence import Sequence
 
 _MAX_DEFAULT_CONTEXT = 4096
 _MAX_DEFAULT_KV_BYTES = 2 << 30
+RECENT_LENGTH_ENDS = 1024  # max_tokens finishes remembered for a stop string that lands on their last tokens
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,9 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, self.limits)
         self._streams: dict[str, tuple[Sequence, RequestStream | None]] = {}
         self.counters: defaultdict[str, float] = defaultdict(float)  # counts and seconds, exported as floats
+        # Requests the core ended at max_tokens, latest last: a frontend's stop string can land on one of their
+        # last tokens after the core ran past it, and the finish is then counted as the client saw it.
+        self._ended_by_length: OrderedDict[tuple[str, int], None] = OrderedDict()
 
     def _capture_graphs(self) -> None:
         """CUDA graphs for every decode bucket; a capture that fails leaves decode eager, with a warning."""
@@ -161,6 +165,10 @@ class LLMEngine:
         the frontend found a stop string in the text."""
         entry = self._streams.get(request_id)
         if entry is None or (serial is not None and entry[0].serial != serial):
+            if reason == "stop" and serial is not None and (request_id, serial) in self._ended_by_length:
+                del self._ended_by_length[(request_id, serial)]
+                self.counters[_finished("length")] -= 1
+                self.counters[_finished("stop")] += 1
             return None
         del self._streams[request_id]
         seq, _ = entry
@@ -209,6 +217,10 @@ class LLMEngine:
                 self.scheduler.finish(seq, reason)
                 del self._streams[seq.request_id]
                 self.counters[_finished(reason)] += 1
+                if reason == "length":
+                    self._ended_by_length[(seq.request_id, seq.serial)] = None
+                    if len(self._ended_by_length) > RECENT_LENGTH_ENDS:
+                        self._ended_by_length.popitem(last=False)
             outputs.append(out)
         return outputs
 
