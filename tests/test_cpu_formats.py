@@ -70,7 +70,7 @@ def test_packing_by_blocks_of_rows_is_packing_the_whole_matrix() -> None:
     """Where the native quantizer does not take a matrix (here fp16), pack quantizes PACK_BLOCK_ROWS rows at a
     time (a bounded transient): the bytes are the whole matrix's, the last block's padding to a tile included."""
     w = torch.randn(2 * formats.PACK_BLOCK_ROWS + 7, 128, dtype=torch.float16)
-    assert formats._native_quantize(w, "int4", 64, torch.empty(0, dtype=torch.uint8)) is None
+    assert not formats._native_quantize(w, "int4", 64, torch.empty(0, dtype=torch.uint8), None)
     whole4 = formats.from_int4(*quantize_int4(w, 64), 64)
     blocks4 = formats.pack(w, "int4", 64)
     assert torch.equal(blocks4.weight, whole4.weight) and blocks4.weight.shape == whole4.weight.shape
@@ -105,13 +105,13 @@ def test_the_native_quantizer_makes_the_torch_ops_bits(dtype: torch.dtype, fmt: 
     padded = -(-rows // formats.TILE) * formats.TILE
     weight = torch.full((padded, formats.packed_nbytes((rows, 384), fmt, group or 64) // padded), 0xAB,
                         dtype=torch.uint8)
-    scales = formats._native_quantize(w, fmt, group or 64, weight)
-    assert scales is not None  # the native pass ran
+    scales = torch.full((padded,), -1.0) if fmt == "int8" else None
+    assert formats._native_quantize(w, fmt, group or 64, weight, scales)  # the native pass ran
     if fmt == "int4":
         reference = formats.from_int4(*quantize_int4_ops(w, group), group)
     else:
         reference = formats.from_int8(*quantize_int8_ops(w))
-        assert reference.scales is not None and torch.equal(scales, reference.scales)
+        assert scales is not None and reference.scales is not None and torch.equal(scales, reference.scales)
     assert torch.equal(weight, reference.weight.reshape(weight.shape))
     grids = quantize_int4(w, group) if fmt == "int4" else quantize_int8(w)
     ops = quantize_int4_ops(w, group) if fmt == "int4" else quantize_int8_ops(w)

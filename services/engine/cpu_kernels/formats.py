@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from services.engine import cpu_kernels
 from services.engine.host_allocator import huge_page_empty
-from services.engine.quant.groupwise import quantize_int4, quantize_int8
+from services.engine.quant.groupwise import native_source, quantize_int4, quantize_int8
 
 if TYPE_CHECKING:
     from services.engine.quant.packed import PackedMatrix
@@ -143,44 +143,38 @@ def _pack_quantized(w: torch.Tensor, fmt: str, group: int, bias: torch.Tensor | 
     n, k = w.shape
     rows = -(-n // TILE) * TILE
     weight = (alloc or huge_page_empty)((rows, packed_nbytes((n, k), fmt, group) // rows), torch.uint8)
-    native = _native_quantize(w, fmt, group, weight)
-    if native is not None:
-        if fmt == "int8":
-            return CpuMatrix("int8", (n, k), weight, native, bias=bias)
-        return CpuMatrix("int4", (n, k), weight, None, group, bias)
-    scales = []
-    for r0 in range(0, n, PACK_BLOCK_ROWS):
-        block = w[r0 : r0 + PACK_BLOCK_ROWS]
-        into = weight[r0 : r0 + -(-block.shape[0] // TILE) * TILE]
-
-        def place(shape: tuple[int, ...], dtype: torch.dtype, into: torch.Tensor = into) -> torch.Tensor:
-            return into.view(dtype).view(shape)
-
-        if fmt == "int8":
-            scales.append(from_int8(*quantize_int8(block), alloc=place).scales)
-        else:
-            from_int4(*quantize_int4(block, group), group, alloc=place)
+    scales = torch.empty(rows) if fmt == "int8" else None
+    if not _native_quantize(w, fmt, group, weight, scales):  # the torch ops, a block of rows at a time
+        blocks = []
+        for r0 in range(0, n, PACK_BLOCK_ROWS):
+            block = w[r0 : r0 + PACK_BLOCK_ROWS]
+            place = placed_in(weight[r0 : r0 + -(-block.shape[0] // TILE) * TILE])
+            if fmt == "int8":
+                blocks.append(from_int8(*quantize_int8(block), alloc=place).scales)
+            else:
+                from_int4(*quantize_int4(block, group), group, alloc=place)
+        scales = torch.cat([s for s in blocks if s is not None]) if fmt == "int8" else None
     if fmt == "int8":
-        return CpuMatrix("int8", (n, k), weight, torch.cat([s for s in scales if s is not None]), bias=bias)
+        return CpuMatrix("int8", (n, k), weight, scales, bias=bias)
     return CpuMatrix("int4", (n, k), weight, None, group, bias)
 
 
-_QUANTIZE_SOURCES = {torch.float32: 0, torch.bfloat16: 1}  # quantize.c's source types
+def placed_in(into: torch.Tensor) -> Allocator:
+    """An Allocator handing out `into`'s bytes (contiguous, exactly the size asked for) as the shape asked."""
+    def place(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return into.view(dtype).view(shape)
+
+    return place
 
 
-def _native_quantize(w: torch.Tensor, fmt: str, group: int, weight: torch.Tensor) -> torch.Tensor | None:
-    """quantize.c's one pass, the same bits as the torch ops below: int8's row scales (int4: an empty tensor),
-    or None where the kernels are not built or do not take w (another dtype, strided inputs, odd widths)."""
-    lib = cpu_kernels.library()
-    source = _QUANTIZE_SOURCES.get(w.dtype)
-    if (lib is None or source is None or w.device.type != "cpu" or w.stride(1) != 1
-            or not native_widths(fmt, w.shape[1], group) or (fmt == "int4" and group > 128)):
-        return None
-    scales = torch.empty(weight.shape[0] if fmt == "int8" else 0)
-    if lib.hs_quantize(FORMAT_IDS[fmt], w.data_ptr(), source, w.stride(0), w.shape[0], w.shape[1], group,
-                       weight.data_ptr(), scales.data_ptr() if fmt == "int8" else None):
-        return None
-    return scales
+def _native_quantize(w: torch.Tensor, fmt: str, group: int, weight: torch.Tensor, scales: torch.Tensor | None
+                     ) -> bool:
+    """Whether quantize.c's one pass (the same bits as the torch ops) packed w into weight (int8: its row
+    scales into `scales`); False where it does not read w (groupwise.native_source) or take its widths."""
+    source = native_source(w)
+    return source is not None and not cpu_kernels.loaded().hs_quantize(
+        FORMAT_IDS[fmt], w.data_ptr(), source, w.stride(0), w.shape[0], w.shape[1], group, weight.data_ptr(),
+        None if scales is None else scales.data_ptr())
 
 
 def from_int8(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,

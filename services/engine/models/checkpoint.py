@@ -58,7 +58,9 @@ class Checkpoint:
 
     def spec(self, name: str) -> tuple[torch.dtype, list[int]]:
         """The tensor's dtype and shape, from its shard's header (nothing read)."""
-        entry = self._entry(name)[0]
+        return self._spec(name, self._entry(name)[0])
+
+    def _spec(self, name: str, entry: dict) -> tuple[torch.dtype, list[int]]:
         dtype = _DTYPES.get(entry["dtype"])
         if dtype is None:
             raise ValueError(f"tensor {name!r} in {self._shard_of[name]} has dtype {entry['dtype']}, which we do "
@@ -70,7 +72,7 @@ class Checkpoint:
         each tensor anew reuses, read after read, rather than fault in fresh pages for every one."""
         entry, data_start = self._entry(name)
         begin, end = entry["data_offsets"]
-        dtype, shape = self.spec(name)
+        dtype, shape = self._spec(name, entry)
         if not out.is_contiguous() or out.device.type != "cpu" or out.numel() * out.element_size() != end - begin:
             raise ValueError(f"tensor {name!r} is {end - begin} bytes; the buffer given holds "
                              f"{out.numel() * out.element_size()} (or is not contiguous CPU memory)")

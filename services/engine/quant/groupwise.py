@@ -65,18 +65,26 @@ def check_groups(k: int, group_size: int) -> None:
         raise ValueError(f"input dimension {k} is not a multiple of the quantization group size {group_size}")
 
 
-def _native_grid(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """(q, scale, zero) from quantize.c (group 0: int8, no zero) for a CPU matrix of fp32 or bf16 rows with
-    unit stride where the kernels are built; else None."""
-    lib = cpu_kernels.library()
+def native_source(w: torch.Tensor) -> int | None:
+    """quantize.c's source type for w (fp32 0, bf16 1) where its pass can read it: the kernels built, a CPU
+    matrix of rows with unit stride; else None (the torch ops quantize it)."""
     source = _NATIVE_SOURCES.get(w.dtype)
-    if lib is None or source is None or w.device.type != "cpu" or w.dim() != 2 or w.stride(1) != 1 or not w.numel():
+    if (cpu_kernels.library() is None or source is None or w.device.type != "cpu" or w.dim() != 2
+            or w.stride(1) != 1 or not w.numel()):
+        return None
+    return source
+
+
+def _native_grid(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """(q, scale, zero) from quantize.c (group 0: int8, no zero) where it reads w (native_source); else None."""
+    source = native_source(w)
+    if source is None:
         return None
     n, k = w.shape
     q = torch.empty(n, k, dtype=torch.uint8 if group else torch.int8)
     scale = torch.empty(n, k // group) if group else torch.empty(n)
     zero = torch.empty(n, k // group) if group else None
-    if lib.hs_quantize_grid(w.data_ptr(), source, w.stride(0), n, k, group, q.data_ptr(), scale.data_ptr(),
-                            None if zero is None else zero.data_ptr()):
+    if cpu_kernels.loaded().hs_quantize_grid(w.data_ptr(), source, w.stride(0), n, k, group, q.data_ptr(),
+                                             scale.data_ptr(), None if zero is None else zero.data_ptr()):
         return None
     return q, scale, zero

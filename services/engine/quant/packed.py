@@ -65,11 +65,8 @@ def pack_matrix(w: torch.Tensor, scheme: QuantScheme, device: torch.device | str
     device = torch.device(device)
     n, k = w.shape
     if device.type == "cpu":
-        def place(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-            assert into is not None
-            return into.view(dtype).view(shape)
-
-        m = formats.pack(w, f"int{scheme.bits}", scheme.group_size, alloc=None if into is None else place)
+        alloc = None if into is None else formats.placed_in(into)
+        m = formats.pack(w, f"int{scheme.bits}", scheme.group_size, alloc=alloc)
         return PackedMatrix(scheme.bits, scheme.group_size, (n, k), m.weight, m.scales, on_cpu=True)
     if scheme.bits == 8:
         q, scale = quantize_int8(w)
