@@ -6,13 +6,14 @@ import ctypes
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Literal, Protocol, TypeAlias
 
 import torch
 
 from services.engine.step_context import StepContext
 
 if TYPE_CHECKING:
+    from services.engine.cpu_kernels.formats import ExpertCall
     from services.engine.models.fused_moe import StackedExperts
     from services.engine.models.native_moe import NativeExperts
     from services.engine.quant.packed import QuantizedExpertWeights
@@ -22,6 +23,9 @@ if TYPE_CHECKING:
 class ExpertWeights:
     gate_up: torch.Tensor  # [2 * intermediate, hidden]: gate rows then up rows, one matmul for both
     down: torch.Tensor  # [hidden, intermediate]
+    # The native kernels' one-expert call on these tensors, made on first use (models/moe.py expert_forward);
+    # False where they cannot read them. A host store's and a cache slot's views live as long as their buffers.
+    native: ExpertCall | Literal[False] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:

@@ -312,10 +312,40 @@ def route_softmax(x: torch.Tensor, router: CpuMatrix, top_k: int, renormalize: b
 def expert(x: torch.Tensor, gate_up: CpuMatrix, down: CpuMatrix | None) -> torch.Tensor:
     """One SwiGLU expert on all of x's rows [T, H] -> [T, H] (the one-call MoE with one expert, weight 1); down
     None: its activation [T, I] only."""
-    rows = x.shape[0]
     width = gate_up.shape[0] // 2 if down is None else down.shape[0]
+    return run_expert(x, ExpertCall(alone(gate_up), None if down is None else alone(down), width))
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertCall:
+    """One expert as the native one-expert call takes it: its matrices as one-element C arrays (addresses only:
+    whoever made it keeps the tensors alive) and the width it writes."""
+
+    gate_up: ctypes.Array
+    down: ctypes.Array | None
+    width: int
+
+
+def expert_call(gate_up: torch.Tensor | PackedMatrix, down: torch.Tensor | PackedMatrix) -> ExpertCall | None:
+    """The call for an expert's two stored matrices, None where the kernels cannot read them in place.
+    Callers keep it beside the weights (ExpertWeights.native): one attribute a call instead of two matrix
+    checks and two array lookups, whose objects a cold cache made cost ~8 us per expert (Qwen3 int4, one row)."""
+    g, d = as_cpu_matrix(gate_up), as_cpu_matrix(down)
+    if g is None or d is None or g.format != d.format:
+        return None
+    return ExpertCall(alone(g), alone(d), d.shape[0])
+
+
+def run_expert(x: torch.Tensor, call: ExpertCall) -> torch.Tensor:
+    """`expert` for a call made beforehand: every row of x [T, H] through it, [T, width]."""
+    x = _f32_rows(x)
+    rows = x.shape[0]
     ids, weights = _one_expert_routing(rows)
-    return moe(x, ids, weights, alone(gate_up), None if down is None else alone(down), width)
+    out = torch.empty(rows, call.width)
+    if cpu_kernels.loaded().hs_moe(call.gate_up, call.down, 1, None, 1, x.data_ptr(), x.stride(0), rows,
+                                   ids.data_ptr(), weights.data_ptr(), 1, out.data_ptr()):
+        raise MemoryError("native MoE: out of memory for its scratch")
+    return out
 
 
 @functools.lru_cache(maxsize=64)

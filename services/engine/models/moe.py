@@ -42,9 +42,11 @@ def expert_forward(x: torch.Tensor, w: ExpertWeights | QuantizedExpertWeights) -
             out = torch.empty(x.shape[0], w.down.shape[0])
             cpu_kernels.expert_rows(x, w.gate_up, w.down, out, x.shape[0])
             return out
-        gate_up, down = formats.as_cpu_matrix(w.gate_up), formats.as_cpu_matrix(w.down)
-        if gate_up is not None and down is not None and gate_up.format == down.format:
-            return formats.expert(x, gate_up, down)  # any CPU format, on the kernels' pool
+        call = w.native  # any CPU format, on the kernels' pool
+        if call is None:
+            call = w.native = formats.expert_call(w.gate_up, w.down) or False
+        if call is not False:
+            return formats.run_expert(x, call)
     if isinstance(w, QuantizedExpertWeights):
         return packed_swiglu(x, w.gate_up, w.down)
     return expert_down(expert_activation(x, w.gate_up), w.down, x.dtype)

@@ -8,6 +8,7 @@ the host store keeps the compute device's layout and a transfer is a plain byte 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -95,6 +96,7 @@ class QuantizedExpertWeights:
 
     gate_up: PackedMatrix  # [2 * intermediate, hidden]: gate rows then up rows
     down: PackedMatrix  # [hidden, intermediate]
+    native: formats.ExpertCall | Literal[False] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
