@@ -562,10 +562,10 @@ def test_a_layer_all_on_the_host_runs_on_the_gathering_thread(monkeypatch) -> No
     ran = threading.Event()
     real = host_executor.expert_forward
 
-    def recorded(x, w):
+    def recorded(x, w, *rest):
         ran_on.append(threading.current_thread().name)
         ran.set()
-        return real(x, w)
+        return real(x, w, *rest)
 
     monkeypatch.setattr(host_executor, "expert_forward", recorded)
     executor = HostExecutor(1, OffloadStats(1))
@@ -691,10 +691,11 @@ def test_emulated_host_jobs_end_at_their_finish_on_one_virtual_clock() -> None:
     finally:
         executor.shutdown()
     assert torch.allclose(first_result, reference, atol=1e-5)
-    # Late by at most 3 ms: a KVM guest's sleeps ended 1-2 ms late now and then (seen on a Xeon guest)
-    assert first.ready_at <= first_done < first.ready_at + 3e-3
+    # Late by at most 10 ms: a KVM guest's sleeps ended 1-2 ms late now and then (seen on a Xeon guest), and
+    # 3.5 ms once on a Zen 4 guest while the other test worker ran mypy (2 of 21 runs there)
+    assert first.ready_at <= first_done < first.ready_at + 10e-3
     assert second.ready_at == pytest.approx(first.ready_at + 0.002)  # queued behind the first, half its time
-    assert second.ready_at <= second_done < second.ready_at + 3e-3
+    assert second.ready_at <= second_done < second.ready_at + 10e-3
     assert 0.004 <= first.ready_at - start < 0.005
 
 

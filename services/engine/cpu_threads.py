@@ -24,16 +24,32 @@ def core_threads() -> int:
 def apply_threads(config: EngineConfig) -> None:
     """CPU compute threads, the same for `generate` (core on a thread) and `serve` (core process): the native
     kernels' pool gets them and torch runs one intra-op thread, so no two pools share the cores; without the
-    kernels, torch gets them. CUDA engines leave both as they are (the host executor has its own workers)."""
+    kernels, torch gets them. A CUDA engine's CPU computes only a hybrid policy's host experts
+    (offload/host_executor.py): the pool gets the threads for them and torch keeps its own for its few CPU ops
+    (cpu_kernels.usable); other CUDA engines leave both as they are."""
     if config.device == "cpu":
         use_threads(config.threads or core_threads())
+    elif _host_computes(config):
+        cpu_kernels.set_threads(config.threads or core_threads())
 
 
 def compute_line(config: EngineConfig) -> str | None:
-    """What a CPU engine computes with, for its start-up line (None on CUDA)."""
-    if config.device != "cpu":
-        return None
-    return f"{cpu_kernels.describe()}, {config.threads or core_threads()} compute thread(s)"
+    """What a CPU engine computes with, or a CUDA engine's host experts, for its start-up line (None: a CUDA
+    engine whose CPU computes no experts)."""
+    threads = config.threads or core_threads()
+    if config.device == "cpu":
+        return f"{cpu_kernels.describe()}, {threads} compute thread(s)"
+    if _host_computes(config):
+        return f"host experts on {cpu_kernels.describe()}, {threads} thread(s)"
+    return None
+
+
+def _host_computes(config: EngineConfig) -> bool:
+    """Whether the engine's policy computes experts on the host (a hybrid one)."""
+    # Imported here: the policies import the models, which import this module.
+    from services.engine.offload.policies import get_policy
+
+    return get_policy(config.offload_policy).placement != "device"
 
 
 def use_threads(threads: int) -> None:

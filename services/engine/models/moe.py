@@ -31,9 +31,11 @@ def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.
 POOLED_EXPERT_PARAMS = 1 << 20
 
 
-def expert_forward(x: torch.Tensor, w: ExpertWeights | QuantizedExpertWeights) -> torch.Tensor:
-    """One routed expert on the tokens routed to it: the single entry point every executor calls."""
-    if cpu_kernels.usable(x):
+def expert_forward(x: torch.Tensor, w: ExpertWeights | QuantizedExpertWeights, pool_is_host: bool = False
+                   ) -> torch.Tensor:
+    """One routed expert on the tokens routed to it: the single entry point every executor calls
+    (`pool_is_host`: cpu_kernels.usable's)."""
+    if cpu_kernels.usable(x, pool_is_host):
         if (native_expert(w) and w.gate_up.numel() < POOLED_EXPERT_PARAMS
                 and cpu_kernels.widths_supported(x.shape[1]) and x.is_contiguous()):
             # The kernel the device path's fused add runs (moe_forward), here into rows of its own: torch's
@@ -49,7 +51,7 @@ def expert_forward(x: torch.Tensor, w: ExpertWeights | QuantizedExpertWeights) -
             return formats.run_expert(x, call)
     if isinstance(w, QuantizedExpertWeights):
         return packed_swiglu(x, w.gate_up, w.down)
-    return expert_down(expert_activation(x, w.gate_up), w.down, x.dtype)
+    return expert_down(expert_activation(x, w.gate_up, pool_is_host), w.down, x.dtype, pool_is_host)
 
 
 def native_expert(w: ExpertWeights | QuantizedExpertWeights) -> TypeGuard[ExpertWeights]:
@@ -65,19 +67,20 @@ def _native_matrix(weight: torch.Tensor) -> bool:
 
 # A split expert (offload/split_experts.py) runs the same two halves on two sides: the activation where
 # gate/up lives, the down projection where down was fetched to; the ops are expert_forward's own.
-def expert_activation(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+def expert_activation(x: torch.Tensor, gate_up: torch.Tensor, pool_is_host: bool = False) -> torch.Tensor:
     """[tokens, intermediate]: the native kernels' on the CPU, else in the weights' dtype (bf16 experts under
     fp32 activations)."""
-    matrix = formats.as_cpu_matrix(gate_up) if cpu_kernels.usable(x) else None
+    matrix = formats.as_cpu_matrix(gate_up) if cpu_kernels.usable(x, pool_is_host) else None
     if matrix is not None:
         return formats.expert(x, matrix, None)
     return swiglu_activation(x if x.dtype == gate_up.dtype else x.to(gate_up.dtype), gate_up)
 
 
-def expert_down(h: torch.Tensor, down: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def expert_down(h: torch.Tensor, down: torch.Tensor, out_dtype: torch.dtype, pool_is_host: bool = False
+                ) -> torch.Tensor:
     """The down projection of a split expert's activation: on the CPU the kernels' own (the whole expert's
     second call, so a split bf16 expert gives its tokens exactly; torch's bf16 linear rounded h to bf16)."""
-    matrix = formats.as_cpu_matrix(down) if cpu_kernels.usable(h) else None
+    matrix = formats.as_cpu_matrix(down) if cpu_kernels.usable(h, pool_is_host) else None
     if matrix is not None:
         y = formats.matmul(h, matrix)
     else:

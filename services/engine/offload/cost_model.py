@@ -64,8 +64,8 @@ def measure_costs(
     else:
         dev = (_cuda_expert_seconds(hidden, intermediate, dtype, device, 1),
                _cuda_expert_seconds(hidden, intermediate, dtype, device, PROBE_TOKENS))
-        host = (expert_compute_seconds(hidden, intermediate, dtype, 20, 1),
-                expert_compute_seconds(hidden, intermediate, dtype, 20, PROBE_TOKENS))
+        host = (expert_compute_seconds(hidden, intermediate, dtype, 20, 1, pool_is_host=True),
+                expert_compute_seconds(hidden, intermediate, dtype, 20, PROBE_TOKENS, pool_is_host=True))
     return PlacementCosts.fit(dev, host, _link_seconds(link, expert_bytes, dtype, device))
 
 

@@ -218,13 +218,15 @@ def _measured_unit(hidden: int, intermediate: int, dtype: torch.dtype, tokens: i
 
 
 def expert_compute_seconds(
-    hidden: int, intermediate: int, dtype: torch.dtype, repeats: int = 200, tokens: int = 1, rounds: int = 1
+    hidden: int, intermediate: int, dtype: torch.dtype, repeats: int = 200, tokens: int = 1, rounds: int = 1,
+    pool_is_host: bool = False,
 ) -> float:
     """Median time of one expert's SwiGLU on `tokens` tokens on this machine, as the engine computes it
-    (models.moe.expert_forward: the native kernel where it runs), cycling through COLD_BYTES of experts;
-    the best of `rounds` medians. The experts are built once: allocating them takes most of a round."""
+    (a host job's math, offload/host_executor.host_math: the native kernel where it runs; `pool_is_host` as
+    a CUDA engine's host runs it), cycling through COLD_BYTES of experts; the best of `rounds` medians. The
+    experts are built once: allocating them takes most of a round."""
     from services.engine.expert_provider import ExpertWeights
-    from services.engine.models.moe import expert_forward
+    from services.engine.offload.host_executor import host_math
 
     expert_bytes = 3 * hidden * intermediate * dtype.itemsize
     experts = [
@@ -234,14 +236,14 @@ def expert_compute_seconds(
     ]
     x = torch.randn(tokens, hidden, dtype=dtype)
     for w in experts:
-        expert_forward(x, w)
+        host_math(w, x, False, pool_is_host)
     best = float("inf")
     for _ in range(rounds):
         samples = []
         for i in range(repeats):
             w = experts[i % len(experts)]
             start = time.perf_counter()
-            expert_forward(x, w)
+            host_math(w, x, False, pool_is_host)
             samples.append(time.perf_counter() - start)
         samples.sort()
         best = min(best, samples[len(samples) // 2])

@@ -61,7 +61,8 @@ def _host_executor(
     cuda = settings.device.startswith("cuda")
     emulated = None if cuda else costs.host
     bus = link.bus if not cuda and isinstance(link, EmulatedLink) else None
-    return lambda stats, _transfers: HostExecutor(settings.host_threads, stats, emulated, bus, costs.host_bytes)
+    return lambda stats, _transfers: HostExecutor(settings.host_threads, stats, emulated, bus, costs.host_bytes,
+                                                  pool_is_host=cuda)
 
 
 def build_expert_provider(

@@ -1,0 +1,35 @@
+"""A CUDA engine's host job: rows leave the device into pinned memory, run on the native kernels' pool as fp32,
+and come back in the device's dtype (tests/test_host_pool.py checks the same on the CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine import cpu_kernels
+from services.engine.expert_provider import ExpertWeights
+from services.engine.models.moe import expert_forward
+from services.engine.offload.host_executor import HostExecutor
+from services.engine.offload.stats import OffloadStats
+
+
+@pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler: native kernels not built")
+def test_a_host_job_from_a_bf16_device_runs_on_the_kernels_pool() -> None:
+    gen = torch.Generator().manual_seed(0)
+    w = ExpertWeights((torch.randn(512, 256, generator=gen) / 16).bfloat16().pin_memory(),
+                      (torch.randn(256, 256, generator=gen) / 16).bfloat16().pin_memory())
+    before = cpu_kernels.pool_threads() or 1
+    cpu_kernels.set_threads(2)
+    executor = HostExecutor(1, OffloadStats(1), pool_is_host=True)
+    try:
+        x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
+        job = executor.submit(w, x)
+        executor.flush()
+        y = job.result()
+        torch.cuda.synchronize()
+        assert y.device.type == "cuda" and y.dtype == torch.bfloat16
+        want = expert_forward(x.cpu().float(), w, pool_is_host=True).bfloat16()
+        assert torch.equal(y.cpu(), want)
+    finally:
+        executor.shutdown()
+        cpu_kernels.set_threads(before)

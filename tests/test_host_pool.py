@@ -1,0 +1,82 @@
+"""A CUDA engine's host experts run on the native kernels' pool: its torch keeps several intra-op threads for
+its own CPU ops, so `cpu_kernels.usable` alone would send them to torch's products (2.2 times slower for bf16
+on a Zen 4 guest). What a CUDA engine sets and runs is checked here on the CPU: the threads, and a host job
+on bf16 rows as they arrive from a bf16 device; tests/gpu runs the job from a CUDA tensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine import cpu_kernels
+from services.engine.config import EngineConfig
+from services.engine.cpu_kernels import formats
+from services.engine.cpu_threads import apply_threads, compute_line, core_threads
+from services.engine.expert_provider import ExpertWeights
+from services.engine.models.moe import expert_forward, swiglu
+from services.engine.offload.host_executor import HostExecutor, host_math
+from services.engine.offload.stats import OffloadStats
+
+pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler: native kernels not built")
+
+HIDDEN, WIDTH = 256, 128
+
+
+@pytest.fixture
+def torch_on_two_threads():
+    """A CUDA engine's process: torch's own intra-op threads, the pool at one until the engine sizes it."""
+    before_torch, before_pool = torch.get_num_threads(), cpu_kernels.pool_threads() or 1
+    torch.set_num_threads(2)
+    cpu_kernels.set_threads(1)
+    yield
+    cpu_kernels.set_threads(before_pool)
+    torch.set_num_threads(before_torch)
+
+
+def _bf16_expert(seed: int = 0) -> ExpertWeights:
+    gen = torch.Generator().manual_seed(seed)
+    return ExpertWeights((torch.randn(2 * WIDTH, HIDDEN, generator=gen) / 16).bfloat16(),
+                         (torch.randn(HIDDEN, WIDTH, generator=gen) / 11).bfloat16())
+
+
+def test_a_hybrid_cuda_engine_sizes_the_pool_and_leaves_torch_alone(demo_model_dir: str,
+                                                                    torch_on_two_threads: None) -> None:
+    copies_only = EngineConfig(model=demo_model_dir, device="cuda", offload_policy="lru", threads=3)
+    apply_threads(copies_only)
+    assert cpu_kernels.pool_threads() == 1 and torch.get_num_threads() == 2 and compute_line(copies_only) is None
+    hybrid = EngineConfig(model=demo_model_dir, device="cuda", offload_policy="fiddler", threads=3)
+    apply_threads(hybrid)
+    assert cpu_kernels.pool_threads() == 3 and torch.get_num_threads() == 2
+    assert compute_line(hybrid) == f"host experts on {cpu_kernels.describe()}, 3 thread(s)"
+    apply_threads(EngineConfig(model=demo_model_dir, device="cuda", offload_policy="cpu-experts"))
+    assert cpu_kernels.pool_threads() == core_threads() and torch.get_num_threads() == 2
+
+
+def test_a_host_job_on_bf16_rows_takes_the_kernels_when_the_pool_is_the_hosts(torch_on_two_threads: None) -> None:
+    cpu_kernels.set_threads(2)
+    w = _bf16_expert()
+    x = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(1)).bfloat16()
+    gate_up, down = formats.as_cpu_matrix(w.gate_up), formats.as_cpu_matrix(w.down)
+    assert gate_up is not None and down is not None
+    native = formats.expert(x.float(), gate_up, down).bfloat16()  # the kernels on the rows widened, exactly
+    assert torch.equal(host_math(w, x, activation=False, pool_is_host=True), native)
+    # Without the pool the same job is torch's bf16 product (the kernels would need torch on one thread).
+    torch_path = host_math(w, x, activation=False, pool_is_host=False)
+    assert torch.equal(torch_path, swiglu(x, w.gate_up, w.down)) and not torch.equal(torch_path, native)
+    # A split expert's gate/up half the same way, in the device's dtype.
+    half = host_math(w, x, activation=True, pool_is_host=True)
+    assert half.dtype == torch.bfloat16 and torch.equal(half, formats.expert(x.float(), gate_up, None).bfloat16())
+
+
+def test_the_host_executor_runs_its_jobs_on_the_pool(torch_on_two_threads: None) -> None:
+    cpu_kernels.set_threads(2)
+    w = _bf16_expert(2)
+    executor = HostExecutor(1, OffloadStats(1), pool_is_host=True)
+    try:
+        xs = [torch.randn(n, HIDDEN, generator=torch.Generator().manual_seed(n)).bfloat16() for n in (1, 4)]
+        jobs = [executor.submit(w, x) for x in xs]
+        executor.flush()
+        for x, job in zip(xs, jobs):
+            assert torch.equal(job.result(), expert_forward(x.float(), w, pool_is_host=True).bfloat16())
+    finally:
+        executor.shutdown()
