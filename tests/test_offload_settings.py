@@ -72,14 +72,3 @@ def test_resolve_slots_rejects_a_cache_below_top_k() -> None:
         resolve_slots(spec, spec.expert_bytes, cache_bytes=spec.expert_bytes)
     assert resolve_slots(spec, spec.expert_bytes, fraction=0.5) == 128
 
-
-@pytest.mark.parametrize("policy", ["cpu-experts", "n-cpu-moe", "ktransformers", "fiddler", "hintserve"])
-def test_a_host_computing_policy_refuses_int4_experts_packed_for_cuda(demo_model_dir: str, policy: str) -> None:
-    # Those are stored in torch's CUDA layout, which no CPU kernel reads: refused before the load, not mid-request.
-    config = EngineConfig(model=demo_model_dir, device="cuda", offload_policy=policy, expert_dtype="int4")
-    with pytest.raises(ValueError, match="cannot read int4 experts packed for the GPU"):
-        OffloadSettings.from_config(config)
-    for ok in (EngineConfig(model=demo_model_dir, device="cuda", offload_policy="lru", expert_dtype="int4"),
-               EngineConfig(model=demo_model_dir, device="cuda", offload_policy=policy, expert_dtype="int8"),
-               EngineConfig(model=demo_model_dir, device="cpu", offload_policy=policy, expert_dtype="int4")):
-        assert OffloadSettings.from_config(ok).policy.name == ok.offload_policy

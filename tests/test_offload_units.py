@@ -35,12 +35,13 @@ class RecordingLink(EmulatedLink):
         self.labels: dict[int, str] = {}
 
     def copy(
-        self, dst: torch.Tensor, src: torch.Tensor, fence: torch.cuda.Event | None = None, *, issued_at: float = 0.0
+        self, dst: torch.Tensor, src: torch.Tensor, fence: torch.cuda.Event | None = None, *, issued_at: float = 0.0,
+        then=None,
     ) -> None:
         self.entered.set()
         self.go.wait()
         self.order.append(self.labels[src.data_ptr()])
-        super().copy(dst, src, issued_at=issued_at)
+        super().copy(dst, src, issued_at=issued_at, then=then)
 
 
 def _transfer(link: RecordingLink, name: str, demand: bool, priority: float, chunks: int = 2) -> Transfer:
@@ -306,11 +307,11 @@ def test_a_transfer_counts_what_is_left_of_it_in_bytes() -> None:
     reached, release = threading.Event(), threading.Event()
 
     class GatedLink(EmulatedLink):
-        def copy(self, dst, src, *, issued_at: float = 0.0) -> None:
+        def copy(self, dst, src, *, issued_at: float = 0.0, then=None) -> None:
             if src.numel() == 1000:  # the second chunk: hold it until the test has looked
                 reached.set()
                 release.wait()
-            super().copy(dst, src, issued_at=issued_at)
+            super().copy(dst, src, issued_at=issued_at, then=then)
 
     link = GatedLink(1e9)
     engine = TransferEngine(link, OffloadStats(1))

@@ -10,6 +10,8 @@ expert math reads too (`bus`, offload/memory_bus.py): a chunk's end is its proje
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from services.engine.offload.link import Link, ReadyEvent
@@ -56,9 +58,10 @@ class SimLink(Link):
         self.engine: SimTransferEngine | None = None
 
     def copy(
-        self, dst: torch.Tensor, src: torch.Tensor, fence: torch.cuda.Event | None = None, *, issued_at: float = 0.0
+        self, dst: torch.Tensor, src: torch.Tensor, fence: torch.cuda.Event | None = None, *, issued_at: float = 0.0,
+        then: Callable[[], None] | None = None,
     ) -> None:
-        pass
+        pass  # nothing moves: the simulator's chunks are sizes on its clock (and none is ever repacked)
 
     def new_event(self) -> ReadyEvent:
         assert self.engine is not None

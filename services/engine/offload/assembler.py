@@ -35,6 +35,7 @@ from services.engine.offload.provider import Fence, OffloadedExpertProvider
 from services.engine.offload.settings import OffloadSettings
 from services.engine.offload.split_experts import staging_buffers
 from services.engine.offload.stats import OffloadStats
+from services.engine.offload.transcode import Int4Transcoder
 from services.engine.offload.transfer_engine import TransferEngine
 
 
@@ -50,6 +51,8 @@ class OffloadParts:
     fence: Fence | None = None  # CUDA: a compute-stream event before a slot's contents are replaced
     clock: Callable[[], float] = time.perf_counter  # the hybrid provider's time (the simulator's own clock)
     router_model: tuple[ModelSpec, NonExpertWeights] | None = None  # the skip-gate's routers, where it runs
+    # CUDA int4 with a host that computes: the store keeps the CPU kernels' layout, the slots torch's CUDA one.
+    transcoder: Int4Transcoder | None = None
 
 
 def make_prefetchers(
@@ -82,7 +85,9 @@ def assemble_provider(
     stats_type = HintStats if "hints" in policy.prefetchers else OffloadStats
     store = parts.store
     stats = stats_type(geometry.num_layers, slots_total=slots, expert_bytes=store.expert_bytes)
-    cache = ExpertCache(slots, store.layout, store.layout.dtype, settings.device, eviction)
+    transcoder = parts.transcoder
+    slot_layout = store.layout if transcoder is None else transcoder.device
+    cache = ExpertCache(slots, slot_layout, slot_layout.dtype, settings.device, eviction, transcoder)
     prefetchers = make_prefetchers(settings, geometry, stats, parts.router_model)
     transfers = parts.make_transfers(stats)  # last: the engine's starts its worker thread
     if not is_hybrid(policy):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -49,12 +50,15 @@ class CudaLink(Link):
         self._chunk_events: list[torch.cuda.Event] = []
 
     def copy(
-        self, dst: torch.Tensor, src: torch.Tensor, fence: torch.cuda.Event | None = None, *, issued_at: float = 0.0
+        self, dst: torch.Tensor, src: torch.Tensor, fence: torch.cuda.Event | None = None, *, issued_at: float = 0.0,
+        then: Callable[[], None] | None = None,
     ) -> None:
         with torch.cuda.stream(self.copy_stream):
             if fence is not None:  # the slot's previous contents must be consumed before we overwrite it
                 self.copy_stream.wait_event(fence)
             dst.copy_(src, non_blocking=True)
+            if then is not None:  # on the copy stream after the copy: the chunk's event covers it
+                then()
             done = torch.cuda.Event()
             done.record(self.copy_stream)
         self._chunk_events.append(done)

@@ -16,6 +16,7 @@ from services.engine.quant.layout import StoredLayout
 from services.engine.step_context import StepContext
 
 if TYPE_CHECKING:
+    from services.engine.offload.transcode import Int4Transcoder, Repack
     from services.engine.offload.transfer_engine import Transfer
 
 
@@ -41,9 +42,12 @@ class Slot:
 
 class ExpertCache:
     def __init__(
-        self, num_slots: int, layout: StoredLayout, dtype: torch.dtype, device: str, eviction: EvictionPolicy
+        self, num_slots: int, layout: StoredLayout, dtype: torch.dtype, device: str, eviction: EvictionPolicy,
+        transcoder: Int4Transcoder | None = None,
     ) -> None:
+        """`transcoder`: the host store keeps another layout than the slots' (offload/transcode.py)."""
         self.layout = layout
+        self.transcoder = transcoder
         self.eviction = eviction
         self.storage = torch.empty(num_slots, layout.numel, dtype=dtype, device=device)
         self.slots = [Slot(i) for i in range(num_slots)]
@@ -88,6 +92,14 @@ class ExpertCache:
 
     def flat(self, slot: Slot) -> torch.Tensor:
         return self.storage[slot.index]
+
+    def transfer_chunks(self, slot: Slot, source: torch.Tensor
+                        ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[Repack] | None]:
+        """What carries `source` (the host store's buffer) into `slot`: (destination, source) chunks, one per
+        matrix, and the repack after each where the two layouts differ (None: they are the same)."""
+        if self.transcoder is not None:
+            return self.transcoder.chunks(self.flat(slot), source)
+        return list(zip(self.layout.chunks(self.flat(slot)), self.layout.chunks(source), strict=True)), None
 
     def evictable(self, include_protected: bool) -> list[Key]:
         """Resident, unpinned, fully loaded keys; protected prefetches only if `include_protected`."""
@@ -134,7 +146,10 @@ class ExpertCache:
         copies, which take no link; None when no slot can be had."""
         slot, _ = self.acquire(key, None, -1, include_protected=True)
         if slot is not None:
-            self.flat(slot).copy_(source)
+            if self.transcoder is not None:
+                self.transcoder.fill(self.flat(slot), source)
+            else:
+                self.flat(slot).copy_(source)
             slot.event = Landed()
         return slot
 

@@ -99,11 +99,12 @@ class Link(ABC):
 
     @abstractmethod
     def copy(
-        self, dst: torch.Tensor, src: torch.Tensor, fence: torch.cuda.Event | None = None, *, issued_at: float = 0.0
+        self, dst: torch.Tensor, src: torch.Tensor, fence: torch.cuda.Event | None = None, *, issued_at: float = 0.0,
+        then: Callable[[], None] | None = None,
     ) -> None:
         """Copies one chunk (called on the transfer worker thread only); `fence`: CUDA, the compute stream's
         last use of `dst`'s old contents; `issued_at`: when its transfer was handed to the link (perf_counter
-        seconds)."""
+        seconds); `then`: work on the landed chunk, ordered after the copy (a repack, offload/transcode.py)."""
 
     @property
     def busy_until(self) -> float:
@@ -137,7 +138,8 @@ class EmulatedLink(Link):
             time.sleep(delay)
 
     def copy(
-        self, dst: torch.Tensor, src: torch.Tensor, fence: torch.cuda.Event | None = None, *, issued_at: float = 0.0
+        self, dst: torch.Tensor, src: torch.Tensor, fence: torch.cuda.Event | None = None, *, issued_at: float = 0.0,
+        then: Callable[[], None] | None = None,
     ) -> None:
         # A copy engine takes a transfer up when it is issued, or when its previous copy ends (the bus's lane
         # runs one chunk at a time): the worker thread's own wake-up (~70 us here) and its turn between chunks
@@ -145,6 +147,8 @@ class EmulatedLink(Link):
         nbytes = src.numel() * src.element_size()
         self._last = self.bus.add(LINK_LANE, nbytes, self.bytes_per_second, issued_at or time.perf_counter())
         dst.copy_(src)
+        if then is not None:
+            then()
 
     @property
     def busy_until(self) -> float:

@@ -346,10 +346,9 @@ class OffloadedExpertProvider(ExpertProvider):
     def _start_transfer(
         self, slot: Slot, key: Key, demand: bool, priority: float, target: tuple[int, int]
     ) -> Transfer:
-        layout = self.store.layout
-        chunks = list(zip(layout.chunks(self.cache.flat(slot)), layout.chunks(self.store.buffers[key])))
+        chunks, repacks = self.cache.transfer_chunks(slot, self.store.buffers[key])
         slot.event = self.transfers.link.new_event()
-        transfer = Transfer(key, chunks, slot.event, demand, priority, target, fence=slot.fence)
+        transfer = Transfer(key, chunks, slot.event, demand, priority, target, fence=slot.fence, repacks=repacks)
         slot.transfer, slot.fence = transfer, None
         self.transfers.submit(transfer)
         return transfer

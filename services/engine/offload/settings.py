@@ -85,13 +85,6 @@ class OffloadSettings:
         eviction = config.eviction or policy.eviction
         if eviction not in EVICTION_POLICIES:
             raise ValueError(f"unknown eviction policy {eviction!r}; choose from: {', '.join(EVICTION_POLICIES)}")
-        if config.device.startswith("cuda") and policy.placement != "device" and config.expert_dtype == "int4":
-            # The host store then holds torch's CUDA int4 layout (what the copies move), which no CPU kernel
-            # reads: torch has no CPU _weight_int4pack_mm for it, so the first host job would fail mid-request.
-            raise ValueError(
-                f"--offload-policy {policy.name} computes experts on the host, whose kernels cannot read int4 experts "
-                "packed for the GPU: use --expert-dtype int8 or bf16 with it, or a policy that only copies experts "
-                "(lru, hintserve-transfer)")
         return cls(
             policy=policy,
             eviction=eviction,

@@ -27,8 +27,9 @@ from services.engine.offload.memory_bus import MemoryBus, emulated_dram
 from services.engine.offload.settings import OffloadSettings
 from services.engine.offload.split_experts import layout_split_prices
 from services.engine.offload.stats import OffloadStats
+from services.engine.offload.transcode import Int4Transcoder, needs_transcoding
 from services.engine.offload.transfer_engine import TransferEngine
-from services.engine.quant.layout import StoredLayout
+from services.engine.quant.layout import QuantizedExpertLayout, StoredLayout
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,12 @@ def build_expert_provider(
         return load_resident_experts(reader, spec, layout)
     slots = settings.cache_slots(spec, layout.nbytes)  # a budget too small fails before the store is read
     cuda = settings.device.startswith("cuda")
-    store = HostExpertStore(reader, spec, pin=cuda, layout=layout)
+    transcoder = None
+    if needs_transcoding(layout, settings.device, is_hybrid(settings.policy)):
+        assert isinstance(layout, QuantizedExpertLayout)  # needs_transcoding checked it
+        host_layout = QuantizedExpertLayout(spec.hidden_size, spec.moe_intermediate_size, layout.scheme, "cpu")
+        transcoder = Int4Transcoder(host_layout, layout)
+    store = HostExpertStore(reader, spec, pin=cuda, layout=layout if transcoder is None else transcoder.host)
     # The unquantized expert: an emulated link and host price an expert as R x its compute on the device.
     reference = expert_bytes(spec, reader.dtype if settings.expert_dtype == "auto" else torch.bfloat16)
     link = make_link(settings, spec, reader.dtype, reference)
@@ -93,6 +99,6 @@ def build_expert_provider(
     parts = OffloadParts(
         store, transfers, split=layout_split_prices(store.layout), costs=costs,
         make_host=_host_executor(settings, costs, link) if costs is not None else None, fence=fence,
-        router_model=(spec, weights),
+        router_model=(spec, weights), transcoder=transcoder,
     )
     return assemble_provider(settings, spec, slots, parts)

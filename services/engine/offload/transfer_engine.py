@@ -11,6 +11,7 @@ import heapq
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
@@ -41,6 +42,7 @@ class Transfer:
     next_chunk: int = 0
     version: int = 0  # bumped on promotion; older heap entries are skipped
     chunk_offset: int = 0  # the layout's index of the first chunk moved (a split expert moves down only)
+    repacks: list[Callable[[], None]] | None = None  # after each chunk's copy (offload/transcode.py); None: none
     nbytes: int = field(default=0)
     bytes_copied: int = 0  # of nbytes, by the chunks copied so far
     issued_at: float = 0.0  # perf_counter seconds when submitted
@@ -127,12 +129,13 @@ class TransferEngine:
                     transfer = self._pop()
                 transfer.state = TransferState.ACTIVE
                 dst, src = transfer.chunks[transfer.next_chunk]
+                then = transfer.repacks[transfer.next_chunk] if transfer.repacks is not None else None
                 demand = transfer.demand
             # The fence guards the slot's old contents: the first chunk waits for it, the others follow that one.
             if transfer.fence is not None and transfer.next_chunk == 0:
-                self.link.copy(dst, src, transfer.fence, issued_at=transfer.issued_at)
+                self.link.copy(dst, src, transfer.fence, issued_at=transfer.issued_at, then=then)
             else:
-                self.link.copy(dst, src, issued_at=transfer.issued_at)
+                self.link.copy(dst, src, issued_at=transfer.issued_at, then=then)
             nbytes = src.numel() * src.element_size()
             if demand:
                 self.stats.bytes_demand += nbytes

@@ -52,7 +52,7 @@ class PackedMatrix:
         return self._cpu
 
 
-def _int4_inner_k_tiles(k: int) -> int:
+def int4_inner_k_tiles(k: int) -> int:
     for tiles in (8, 4, 2):
         if k % (tiles * 16) == 0:
             return tiles
@@ -86,7 +86,7 @@ def pack_int4(
         return PackedMatrix(4, group_size, (n, k), m.weight, m.scales, on_cpu=True)
     scales = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(device, SCALE_DTYPE)
     nibbles = (q[:, ::2] << 4 | q[:, 1::2]).to(device, torch.uint8)
-    qweight = torch.ops.aten._convert_weight_to_int4pack(nibbles, _int4_inner_k_tiles(k))
+    qweight = torch.ops.aten._convert_weight_to_int4pack(nibbles, int4_inner_k_tiles(k))
     return PackedMatrix(4, group_size, (n, k), qweight, scales)
 
 

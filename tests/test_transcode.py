@@ -1,0 +1,55 @@
+"""int4 experts carried from the CPU kernels' layout (the host store of a CUDA engine whose host computes) into
+torch's CUDA layout (its slots): the repack's inputs are pack_int4's, bit for bit, and the transfer engine runs
+each chunk's repack after that chunk's copy. tests/gpu/test_cuda_transcode.py runs the last step on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.cpu_kernels import formats
+from services.engine.offload.link import EmulatedLink
+from services.engine.offload.stats import OffloadStats
+from services.engine.offload.transcode import needs_transcoding, tinygemm_inputs
+from services.engine.offload.transfer_engine import Transfer, TransferEngine
+from services.engine.quant.groupwise import quantize_int4
+from services.engine.quant.layout import expert_layout
+from services.engine.quant.packed import SCALE_DTYPE
+
+
+@pytest.mark.parametrize(("n", "k", "group"), [(48, 128, 32), (64, 256, 64), (40, 256, 128)])
+def test_the_cpu_layout_gives_back_pack_int4s_inputs(n: int, k: int, group: int) -> None:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k + group))
+    q, scale, zero = quantize_int4(w, group)
+    cpu = formats.from_int4(q, scale, zero, group)  # the host store's bytes (40 rows: a padded last tile)
+    nibbles, scale_zero = tinygemm_inputs(cpu.weight.reshape(-1), (n, k), group)
+    # What pack_int4 builds for CUDA from the same quantization, before _convert_weight_to_int4pack.
+    assert torch.equal(nibbles, (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8))
+    assert torch.equal(scale_zero, torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(SCALE_DTYPE))
+
+
+def test_transcoding_is_for_a_cuda_engines_int4_experts_its_host_computes() -> None:
+    int4 = expert_layout(64, 32, "int4", 32, torch.float32, "cpu")
+    int8 = expert_layout(64, 32, "int8", 32, torch.float32, "cpu")
+    dense = expert_layout(64, 32, "bf16", 32, torch.float32, "cpu")
+    assert needs_transcoding(int4, "cuda:0", host_computes=True)
+    assert not needs_transcoding(int4, "cuda:0", host_computes=False)  # copies only: the store keeps CUDA's
+    assert not needs_transcoding(int4, "cpu", host_computes=True)  # one layout on a CPU engine
+    assert not needs_transcoding(int8, "cuda", host_computes=True)  # torch's CPU int8 product reads CUDA's
+    assert not needs_transcoding(dense, "cuda", host_computes=True)
+
+
+def test_each_chunks_repack_runs_after_its_copy_before_the_transfer_is_ready() -> None:
+    link = EmulatedLink(1e9)
+    engine = TransferEngine(link, OffloadStats(1))
+    seen: list[tuple[int, float]] = []
+    try:
+        srcs = [torch.full((300,), 1.0), torch.full((200,), 2.0)]
+        dsts = [torch.zeros(300), torch.zeros(200)]
+        repacks = [lambda i=i: seen.append((i, dsts[i][0].item())) for i in range(2)]
+        transfer = Transfer((0, 0), list(zip(dsts, srcs)), link.new_event(), True, 1.0, (0, 0), repacks=repacks)
+        engine.submit(transfer)
+        transfer.event.wait()
+        assert seen == [(0, 1.0), (1, 2.0)]  # in chunk order, each on its chunk's landed bytes
+    finally:
+        engine.shutdown()
