@@ -51,17 +51,19 @@ class Int4Transcoder:
         self.staging = [torch.empty(chunk.numel(), dtype=torch.uint8, device=device.device)
                         for chunk in host.chunks(torch.empty(host.numel, dtype=torch.uint8, device="meta"))]
 
-    def chunks(self, slot: torch.Tensor, source: torch.Tensor
+    def chunks(self, slot: torch.Tensor, source: torch.Tensor, staging: list[torch.Tensor] | None = None
                ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[Repack]]:
         """The transfer of `source` (a host buffer) into `slot` (a device slot's flat buffer): its chunks
         (staging destination, host source) and what runs after each."""
+        staging = self.staging if staging is None else staging
         names = list(self.host.shapes)  # gate_up, down: the layouts' chunk order
-        chunks = list(zip(self.staging, self.host.chunks(source), strict=True))
-        return chunks, [self._repack(name, staging, slot) for name, staging in zip(names, self.staging, strict=True)]
+        chunks = list(zip(staging, self.host.chunks(source), strict=True))
+        return chunks, [self._repack(name, buffer, slot) for name, buffer in zip(names, staging, strict=True)]
 
     def fill(self, slot: torch.Tensor, source: torch.Tensor) -> None:
-        """The same at start-up, on the current stream (no link)."""
-        chunks, repacks = self.chunks(slot, source)
+        """The same at start-up, on the current stream (no link), through buffers of its own: the copy
+        stream's staging is that stream's alone."""
+        chunks, repacks = self.chunks(slot, source, [torch.empty_like(buffer) for buffer in self.staging])
         for (staging, src), repack in zip(chunks, repacks, strict=True):
             staging.copy_(src)
             repack()
