@@ -1,6 +1,7 @@
-"""int4 experts carried from the CPU kernels' layout (the host store of a CUDA engine whose host computes) into
-torch's CUDA layout (its slots): the repack's inputs are pack_int4's, bit for bit, and the transfer engine runs
-each chunk's repack after that chunk's copy. tests/gpu/test_cuda_transcode.py runs the last step on a GPU."""
+"""Quantized experts carried from the CPU kernels' layout (the host store of a CUDA engine whose host computes)
+into torch's CUDA layout (its slots): the repack's inputs are what packing for the device makes, bit for bit,
+and the transfer engine runs each chunk's repack after that chunk's copy. tests/gpu/test_cuda_transcode.py
+runs the last step on a GPU."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import torch
 from services.engine.cpu_kernels import formats
 from services.engine.offload.link import EmulatedLink
 from services.engine.offload.stats import OffloadStats
-from services.engine.offload.transcode import needs_transcoding, tinygemm_inputs
+from services.engine.offload.transcode import int8_rows, needs_transcoding, tinygemm_inputs
 from services.engine.offload.transfer_engine import Transfer, TransferEngine
-from services.engine.quant.groupwise import quantize_int4
+from services.engine.quant.groupwise import quantize_int4, quantize_int8
 from services.engine.quant.layout import expert_layout
 from services.engine.quant.packed import SCALE_DTYPE
 
@@ -28,14 +29,26 @@ def test_the_cpu_layout_gives_back_pack_int4s_inputs(n: int, k: int, group: int)
     assert torch.equal(scale_zero, torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(SCALE_DTYPE))
 
 
-def test_transcoding_is_for_a_cuda_engines_int4_experts_its_host_computes() -> None:
+@pytest.mark.parametrize(("n", "k"), [(48, 128), (40, 256)])
+def test_the_cpu_layout_gives_back_the_int8_rows_and_scales(n: int, k: int) -> None:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k))
+    q, scale = quantize_int8(w)
+    cpu = formats.pack(w, "int8")  # the host store's bytes and row scales (40 rows: a padded last tile)
+    assert cpu.scales is not None
+    rows, scales = int8_rows(cpu.weight.reshape(-1), cpu.scales, (n, k))
+    # What pack_matrix moves to a CUDA device from the same quantization.
+    assert rows.dtype == torch.int8 and torch.equal(rows, q)
+    assert torch.equal(scales, scale.to(SCALE_DTYPE))
+
+
+def test_transcoding_is_for_a_cuda_engines_quantized_experts_its_host_computes() -> None:
     int4 = expert_layout(64, 32, "int4", 32, torch.float32, "cpu")
     int8 = expert_layout(64, 32, "int8", 32, torch.float32, "cpu")
     dense = expert_layout(64, 32, "bf16", 32, torch.float32, "cpu")
     assert needs_transcoding(int4, "cuda:0", host_computes=True)
     assert not needs_transcoding(int4, "cuda:0", host_computes=False)  # copies only: the store keeps CUDA's
     assert not needs_transcoding(int4, "cpu", host_computes=True)  # one layout on a CPU engine
-    assert not needs_transcoding(int8, "cuda", host_computes=True)  # torch's CPU int8 product reads CUDA's
+    assert needs_transcoding(int8, "cuda", host_computes=True)
     assert not needs_transcoding(dense, "cuda", host_computes=True)
 
 

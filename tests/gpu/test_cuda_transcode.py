@@ -1,6 +1,6 @@
-"""On a GPU: int4 experts kept in the CPU kernels' layout on the host land in their slots in torch's CUDA
+"""On a GPU: quantized experts kept in the CPU kernels' layout on the host land in their slots in torch's CUDA
 layout, bit for bit what packing them for the device gives, over the copy engine and at start-up; a hybrid
-policy's int4 engine runs (tests/test_transcode.py checks the repack's inputs on the CPU)."""
+policy's quantized engine runs (tests/test_transcode.py checks the repack's inputs on the CPU)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from services.engine.expert_provider import ExpertWeights
 from services.engine.llm_engine import LLMEngine
 from services.engine.offload.cuda_link import CudaLink
 from services.engine.offload.stats import OffloadStats
-from services.engine.offload.transcode import Int4Transcoder
+from services.engine.offload.transcode import Transcoder
 from services.engine.offload.transfer_engine import Transfer, TransferEngine
 from services.engine.quant.layout import QuantizedExpertLayout
 from services.engine.quant.packed import QuantScheme
@@ -22,10 +22,10 @@ from tests.tiny_models import VOCAB
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("group", [32, 64, 128])
-def test_a_transcoded_expert_is_the_device_packed_one(group: int) -> None:
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (4, 64), (4, 128), (8, 64)])
+def test_a_transcoded_expert_is_the_device_packed_one(bits: int, group: int) -> None:
     hidden, width = 256, 128
-    scheme = QuantScheme(4, group)
+    scheme = QuantScheme(bits, group)
     host, device = QuantizedExpertLayout(hidden, width, scheme, "cpu"), QuantizedExpertLayout(hidden, width, scheme, "cuda")
     gen = torch.Generator().manual_seed(group)
     w = ExpertWeights(torch.randn(2 * width, hidden, generator=gen) / 16, torch.randn(hidden, width, generator=gen) / 11)
@@ -33,7 +33,7 @@ def test_a_transcoded_expert_is_the_device_packed_one(group: int) -> None:
     device.pack(w, want)
     source = torch.empty(host.numel, dtype=torch.uint8).pin_memory()
     host.pack(w, source)
-    transcoder = Int4Transcoder(host, device)
+    transcoder = Transcoder(host, device)
 
     filled = torch.zeros_like(want)
     transcoder.fill(filled, source)
@@ -53,11 +53,13 @@ def test_a_transcoded_expert_is_the_device_packed_one(group: int) -> None:
         engine.shutdown()
 
 
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
 @pytest.mark.parametrize("policy", ["cpu-experts", "fiddler", "hintserve"])
-def test_a_hybrid_int4_engine_computes_on_the_host_and_decodes(tiny_mixtral_dir: str, policy: str) -> None:
+def test_a_hybrid_quantized_engine_computes_on_the_host_and_decodes(tiny_mixtral_dir: str, policy: str,
+                                                                    dtype: str) -> None:
     prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (7, 19)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    engine = LLMEngine(EngineConfig(model=tiny_mixtral_dir, device="cuda", expert_dtype="int4", expert_group_size=32,
+    engine = LLMEngine(EngineConfig(model=tiny_mixtral_dir, device="cuda", expert_dtype=dtype, expert_group_size=32,
                                     offload_policy=policy, expert_cache_experts=3, link="native"))
     try:
         outputs = engine.generate(prompts, params)

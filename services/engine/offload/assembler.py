@@ -35,7 +35,7 @@ from services.engine.offload.provider import Fence, OffloadedExpertProvider
 from services.engine.offload.settings import OffloadSettings
 from services.engine.offload.split_experts import staging_buffers
 from services.engine.offload.stats import OffloadStats
-from services.engine.offload.transcode import Int4Transcoder
+from services.engine.offload.transcode import Transcoder
 from services.engine.offload.transfer_engine import TransferEngine
 
 
@@ -52,7 +52,7 @@ class OffloadParts:
     clock: Callable[[], float] = time.perf_counter  # the hybrid provider's time (the simulator's own clock)
     router_model: tuple[ModelSpec, NonExpertWeights] | None = None  # the skip-gate's routers, where it runs
     # CUDA int4 with a host that computes: the store keeps the CPU kernels' layout, the slots torch's CUDA one.
-    transcoder: Int4Transcoder | None = None
+    transcoder: Transcoder | None = None
 
 
 def make_prefetchers(

@@ -16,7 +16,7 @@ from services.engine.quant.layout import StoredLayout
 from services.engine.step_context import StepContext
 
 if TYPE_CHECKING:
-    from services.engine.offload.transcode import Int4Transcoder, Repack
+    from services.engine.offload.transcode import Repack, Transcoder
     from services.engine.offload.transfer_engine import Transfer
 
 
@@ -43,7 +43,7 @@ class Slot:
 class ExpertCache:
     def __init__(
         self, num_slots: int, layout: StoredLayout, dtype: torch.dtype, device: str, eviction: EvictionPolicy,
-        transcoder: Int4Transcoder | None = None,
+        transcoder: Transcoder | None = None,
     ) -> None:
         """`transcoder`: the host store keeps another layout than the slots' (offload/transcode.py)."""
         self.layout = layout

@@ -27,7 +27,7 @@ from services.engine.offload.memory_bus import MemoryBus, emulated_dram
 from services.engine.offload.settings import OffloadSettings
 from services.engine.offload.split_experts import layout_split_prices
 from services.engine.offload.stats import OffloadStats
-from services.engine.offload.transcode import Int4Transcoder, needs_transcoding
+from services.engine.offload.transcode import Transcoder, needs_transcoding
 from services.engine.offload.transfer_engine import TransferEngine
 from services.engine.quant.layout import QuantizedExpertLayout, StoredLayout
 
@@ -78,7 +78,7 @@ def build_expert_provider(
     if needs_transcoding(layout, settings.device, is_hybrid(settings.policy)):
         assert isinstance(layout, QuantizedExpertLayout)  # needs_transcoding checked it
         host_layout = QuantizedExpertLayout(spec.hidden_size, spec.moe_intermediate_size, layout.scheme, "cpu")
-        transcoder = Int4Transcoder(host_layout, layout)
+        transcoder = Transcoder(host_layout, layout)
     store = HostExpertStore(reader, spec, pin=cuda, layout=layout if transcoder is None else transcoder.host)
     # The unquantized expert: an emulated link and host price an expert as R x its compute on the device.
     reference = expert_bytes(spec, reader.dtype if settings.expert_dtype == "auto" else torch.bfloat16)
