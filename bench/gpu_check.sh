@@ -17,10 +17,12 @@ HINTSERVE_LOGITS_REPORT="$out/logits" timeout "${TESTS_TIMEOUT:-240}" $py -m pyt
     | tee "$out/tests_gpu.log"
 echo "tests/gpu exit: $?" | tee -a "$out/machine.txt"
 
-# offload_bench TIMEOUT MODEL POLICIES CACHE BATCH JSON: the native-link offload benchmark, its log beside JSON.
+# offload_bench TIMEOUT MODEL POLICIES CACHE BATCH JSON [FLAGS...]: the native-link offload benchmark, its log
+# beside JSON.
 offload_bench() {
     timeout "$1" $py -m services.cli bench offload --model "$2" --device cuda --link native --policies "$3" \
-        --cache "$4" --batch "$5" --new-tokens 16 --json "$6" 2>&1 | grep -v "it/s\]\|s/it\]" | tee "${6%.json}.log"
+        --cache "$4" --batch "$5" --new-tokens 16 --json "$6" "${@:7}" 2>&1 | grep -v "it/s\]\|s/it\]" \
+        | tee "${6%.json}.log"
 }
 
 offload_bench "${BENCH_TIMEOUT:-240}" models/demo-moe \
@@ -43,4 +45,9 @@ if [ "${REAL_SHAPE:-0}" = 1 ]; then
     offload_bench "${REAL_TIMEOUT:-240}" "$model" "${REAL_POLICIES:-lru,hintserve-transfer,fiddler,hintserve}" \
         "${REAL_CACHE:-25%}" "${REAL_BATCH:-1,4}" "$out/real/offload_cuda_qwen3.json"
     echo "real-shape bench offload exit: $?" | tee -a "$out/machine.txt"
+    # int4 experts: the host computes from the CPU kernels' layout, the slots get theirs repacked on the copy
+    # stream (offload/transcode.py); lru keeps the CUDA layout in the store, the control.
+    offload_bench "${REAL_TIMEOUT:-240}" "$model" "${REAL_INT4_POLICIES:-lru,fiddler,hintserve}" \
+        "${REAL_CACHE:-25%}" "${REAL_BATCH:-1,4}" "$out/real/offload_cuda_qwen3_int4.json" --expert-dtypes int4
+    echo "real-shape int4 bench offload exit: $?" | tee -a "$out/machine.txt"
 fi
