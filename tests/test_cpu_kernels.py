@@ -182,7 +182,7 @@ def _same_text_with_and_without_kernels(monkeypatch, config: EngineConfig, promp
         try:
             native = engine.generate(prompts, params)
             assert all(calls.values()), calls
-            monkeypatch.setattr(cpu_kernels, "usable", lambda x: False)
+            monkeypatch.setattr(cpu_kernels, "usable", lambda x, pool_is_host=False: False)
             calls.update(dict.fromkeys(calls, 0))
             plain = engine.generate(prompts, params)
             assert not any(calls.values()), calls
@@ -250,17 +250,16 @@ def test_one_thread_offloaded_engine_takes_the_expert_kernel_with_the_same_greed
 def test_the_emulation_unit_times_the_engines_expert_path_from_memory(monkeypatch) -> None:
     """The unit --link-ratio and --host-ratio multiply: experts as the engine computes them, cycling through
     more weights than a last-level cache holds (one expert over and over measured cache-hot math)."""
-    from services.engine.models import moe
-    from services.engine.offload import link
+    from services.engine.offload import host_executor, link
 
     seen: dict[int, int] = {}
-    forward = moe.expert_forward
+    forward = host_executor.expert_forward  # a host job's math (host_math), which the unit times
 
-    def recorded(x, w):
+    def recorded(x, w, *rest):
         seen[id(w)] = w.nbytes
-        return forward(x, w)
+        return forward(x, w, *rest)
 
-    monkeypatch.setattr(moe, "expert_forward", recorded)
+    monkeypatch.setattr(host_executor, "expert_forward", recorded)
     link.expert_compute_seconds(64, 128, torch.float32, repeats=10)
     assert sum(seen.values()) >= link.COLD_BYTES
 
