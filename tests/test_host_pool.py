@@ -80,3 +80,27 @@ def test_the_host_executor_runs_its_jobs_on_the_pool(torch_on_two_threads: None)
             assert torch.equal(job.result(), expert_forward(x.float(), w, pool_is_host=True).bfloat16())
     finally:
         executor.shutdown()
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_a_cuda_engines_host_price_times_experts_as_its_store_holds_them(torch_on_two_threads: None,
+                                                                         monkeypatch, dtype: str) -> None:
+    """The placement weighs the host against the link: a quantized store's experts cost the host their own
+    bytes, not a dense bf16 expert's (which priced the host about two (int8) to three and a half (int4) times too high)."""
+    from services.engine.offload import host_executor, link
+    from services.engine.quant.layout import expert_layout
+    from services.engine.quant.packed import QuantizedExpertWeights
+
+    layout = expert_layout(HIDDEN, WIDTH, dtype, 64, torch.bfloat16, "cpu")
+    seen: list[object] = []
+    forward = host_executor.expert_forward
+
+    def recorded(x, w, *rest):
+        seen.append(w)
+        return forward(x, w, *rest)
+
+    monkeypatch.setattr(host_executor, "expert_forward", recorded)
+    cpu_kernels.set_threads(2)
+    seconds = link.expert_compute_seconds(HIDDEN, WIDTH, torch.bfloat16, repeats=5, pool_is_host=True, layout=layout)
+    assert seconds > 0 and seen and all(isinstance(w, QuantizedExpertWeights) for w in seen)
+    assert len({id(w) for w in seen}) * layout.nbytes >= link.COLD_BYTES  # cycling from memory, not cache

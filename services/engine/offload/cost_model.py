@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from services.engine.offload.link import EmulatedLink, Link, emulation_unit, expert_compute_seconds
+
+if TYPE_CHECKING:
+    from services.engine.quant.layout import StoredLayout
 
 # The default --host-ratio: one Mixtral-8x7B fp16 expert on one token on a dual-channel DDR4-3200 host over
 # the same on an RTX A5000, both memory-bound (services/simulator/host.py prices them; a test checks that
@@ -53,10 +57,11 @@ class PlacementCosts:
 
 def measure_costs(
     hidden: int, intermediate: int, dtype: torch.dtype, device: str, link: Link, expert_bytes: int,
-    host_ratio: float | None,
+    host_ratio: float | None, host_layout: StoredLayout | None = None,
 ) -> PlacementCosts:
-    """`host_ratio` None on CUDA: the host is measured; on CPU the emulated host is that ratio (default
-    DEFAULT_HOST_RATIO) times the device."""
+    """`host_ratio` None on CUDA: the host is measured, on experts stored in `host_layout` (the host store's;
+    None: dense in `dtype`); on CPU the emulated host is that ratio (default DEFAULT_HOST_RATIO) times the
+    device."""
     if device == "cpu":
         dev = (emulation_unit(hidden, intermediate, dtype, 1), emulation_unit(hidden, intermediate, dtype, PROBE_TOKENS))
         ratio = host_ratio or DEFAULT_HOST_RATIO
@@ -64,8 +69,9 @@ def measure_costs(
     else:
         dev = (_cuda_expert_seconds(hidden, intermediate, dtype, device, 1),
                _cuda_expert_seconds(hidden, intermediate, dtype, device, PROBE_TOKENS))
-        host = (expert_compute_seconds(hidden, intermediate, dtype, 20, 1, pool_is_host=True),
-                expert_compute_seconds(hidden, intermediate, dtype, 20, PROBE_TOKENS, pool_is_host=True))
+        host = (expert_compute_seconds(hidden, intermediate, dtype, 20, 1, pool_is_host=True, layout=host_layout),
+                expert_compute_seconds(hidden, intermediate, dtype, 20, PROBE_TOKENS, pool_is_host=True,
+                                       layout=host_layout))
     return PlacementCosts.fit(dev, host, _link_seconds(link, expert_bytes, dtype, device))
 
 

@@ -19,10 +19,15 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from services.engine.offload.memory_bus import LINK_LANE, BusJob, MemoryBus
+
+if TYPE_CHECKING:
+    from services.engine.expert_provider import StoredWeights
+    from services.engine.quant.layout import StoredLayout
 
 
 class ReadyEvent(ABC):
@@ -223,21 +228,27 @@ def _measured_unit(hidden: int, intermediate: int, dtype: torch.dtype, tokens: i
 
 def expert_compute_seconds(
     hidden: int, intermediate: int, dtype: torch.dtype, repeats: int = 200, tokens: int = 1, rounds: int = 1,
-    pool_is_host: bool = False,
+    pool_is_host: bool = False, layout: StoredLayout | None = None,
 ) -> float:
     """Median time of one expert's SwiGLU on `tokens` tokens on this machine, as the engine computes it
     (a host job's math, offload/host_executor.host_math: the native kernel where it runs; `pool_is_host` as
-    a CUDA engine's host runs it), cycling through COLD_BYTES of experts; the best of `rounds` medians. The
-    experts are built once: allocating them takes most of a round."""
+    a CUDA engine's host runs it), cycling through COLD_BYTES of experts, dense in `dtype` or stored in
+    `layout` (a CUDA engine's host store: its quantized experts cost the host their own bytes); the best of
+    `rounds` medians. The experts are built once: allocating them takes most of a round."""
     from services.engine.expert_provider import ExpertWeights
     from services.engine.offload.host_executor import host_math
 
-    expert_bytes = 3 * hidden * intermediate * dtype.itemsize
-    experts = [
-        ExpertWeights(torch.full((2 * intermediate, hidden), 0.01, dtype=dtype),
-                      torch.full((hidden, intermediate), 0.01, dtype=dtype))
-        for _ in range(max(2, -(-COLD_BYTES // expert_bytes)))
-    ]
+    dense = ExpertWeights(torch.full((2 * intermediate, hidden), 0.01, dtype=dtype),
+                          torch.full((hidden, intermediate), 0.01, dtype=dtype))
+    experts: list[StoredWeights]
+    if layout is None:
+        count = max(2, -(-COLD_BYTES // dense.nbytes))
+        experts = [ExpertWeights(dense.gate_up.clone(), dense.down.clone()) for _ in range(count)]
+    else:
+        flats = torch.empty(max(2, -(-COLD_BYTES // layout.nbytes)), layout.numel, dtype=layout.dtype)
+        layout.pack(dense, flats[0])
+        flats[1:] = flats[0]
+        experts = [layout.views(flat) for flat in flats]
     x = torch.randn(tokens, hidden, dtype=dtype)
     for w in experts:
         host_math(w, x, False, pool_is_host)
