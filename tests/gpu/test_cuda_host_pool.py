@@ -12,6 +12,8 @@ from services.engine.models.moe import expert_forward
 from services.engine.offload.host_executor import HostExecutor
 from services.engine.offload.stats import OffloadStats
 
+pytestmark = pytest.mark.gpu
+
 
 @pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler: native kernels not built")
 def test_a_host_job_from_a_bf16_device_runs_on_the_kernels_pool() -> None:
