@@ -66,3 +66,56 @@ def test_each_chunks_repack_runs_after_its_copy_before_the_transfer_is_ready() -
         assert seen == [(0, 1.0), (1, 2.0)]  # in chunk order, each on its chunk's landed bytes
     finally:
         engine.shutdown()
+
+
+def test_a_hybrid_engine_moves_every_expert_through_the_transcoders_chunks(tiny_mixtral_dir: str,
+                                                                           monkeypatch) -> None:
+    """The wiring a CUDA engine takes (host store in the host layout, slots in the device's, start-up fills
+    and every transfer through the transcoder's staging and repacks), run on the CPU with a repack that copies
+    the staged matrix as it is: the tokens are the untranscoded engine's, and every fill and copy repacked."""
+    from services.engine.config import EngineConfig
+    from services.engine.llm_engine import LLMEngine
+    from services.engine.offload import setup
+    from services.engine.offload.transcode import Transcoder
+    from services.engine.sampling_params import SamplingParams
+
+    repacked: list[str] = []
+
+    class StagedCopy(Transcoder):
+        """The CPU layout on both sides; each matrix staged, then copied into its slot by its repack."""
+
+        def __init__(self, host, device) -> None:  # the setup's two layouts, both CPU here
+            self.host = self.device = host
+            self.group = host.scheme.group_size
+            flat = torch.empty(host.numel, dtype=torch.uint8)
+            self.staging = [torch.empty(chunk.numel(), dtype=torch.uint8) for chunk in host.chunks(flat)]
+
+        def _repack(self, name, staging, start, slot):
+            def repack() -> None:
+                repacked.append(name)
+                chunk = self.host.chunks(slot)[0 if name == "gate_up" else 1]
+                chunk.copy_(staging)
+
+            return repack
+
+    prompts = [torch.randint(3, 200, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 9)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    kw = dict(model=tiny_mixtral_dir, offload_policy="hintserve", expert_dtype="int4", expert_group_size=32,
+              expert_cache_fraction=0.25, link_ratio=100.0, host_ratio=4.0)
+    engine = LLMEngine(EngineConfig(**kw))
+    try:
+        expected = engine.generate(prompts, params)
+    finally:
+        engine.close()
+    monkeypatch.setattr(setup, "needs_transcoding", lambda layout, device, host_computes: host_computes)
+    monkeypatch.setattr(setup, "Transcoder", StagedCopy)
+    engine = LLMEngine(EngineConfig(**kw))
+    try:
+        provider = engine.model.experts
+        assert isinstance(provider.cache.transcoder, StagedCopy)
+        assert engine.generate(prompts, params) == expected
+        moved = provider.stats.bytes_demand + provider.stats.bytes_prefetch
+        assert moved > 0 and provider.stats.host_experts > 0
+        assert len(repacked) >= 2 * moved // provider.store.expert_bytes  # every copied expert: both matrices
+    finally:
+        engine.close()
