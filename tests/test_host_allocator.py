@@ -13,7 +13,7 @@ import torch
 
 from services.engine.cpu_kernels import formats
 from services.engine.expert_format import ExpertLayout
-from services.engine.host_allocator import HUGE_PAGE_BYTES, HugePageArena, huge_page_empty
+from services.engine.host_allocator import HUGE_PAGE_BYTES, HugePageArena, huge_page_empty, pinned_empty
 from services.engine.models.resident import _layer_buffer
 
 pytestmark = pytest.mark.skipif(
@@ -94,3 +94,38 @@ def test_an_arena_hands_out_its_buffer_in_turn_and_refuses_more() -> None:
         arena.take((1,), torch.uint8)
     matrix = formats.pack(torch.randn(64, 256), "int4", 64, alloc=HugePageArena(1 << 20).take)
     assert matrix.weight.numel() == formats.packed_nbytes((64, 256), "int4", 64)
+
+
+class _RecordingCudart:
+    """cudaHostRegister / cudaHostUnregister as calls recorded, for a machine without CUDA."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:  # noqa: N802 - CUDA's name
+        self.calls.append(("register", ptr, nbytes, flags))
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802 - CUDA's name
+        self.calls.append(("unregister", ptr))
+        return 0
+
+
+def test_pinned_memory_is_exactly_its_bytes_and_unregistered_once_no_tensor_holds_it(monkeypatch) -> None:
+    """A CUDA engine's host store: page-locked for exactly its bytes (torch's pinned allocator rounds up to a
+    power of two: a 9 MiB expert took 16), on huge pages, and unpinned when its last view is freed, before its
+    mapping is unmapped."""
+    cudart = _RecordingCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    layer = pinned_empty((3, 9 * 2**20 // 2), torch.bfloat16)  # three Qwen3-30B-A3B bf16 experts
+    assert layer.data_ptr() % HUGE_PAGE_BYTES == 0
+    assert cudart.calls == [("register", layer.data_ptr(), 27 * 2**20, 1)]
+    expert = layer[2]
+    expert.fill_(1.5)  # the memory is there to write
+    del layer
+    gc.collect()
+    assert len(cudart.calls) == 1  # a view still holds it
+    address = cudart.calls[0][1]
+    del expert
+    gc.collect()
+    assert cudart.calls[1:] == [("unregister", address)]

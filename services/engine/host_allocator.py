@@ -19,6 +19,7 @@ import math
 import mmap
 import os
 from collections.abc import Iterator
+from typing import cast
 
 import torch
 
@@ -115,16 +116,56 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     nbytes = numel * dtype.itemsize
     if nbytes < HUGE_PAGE_BYTES or _why_not_advised():
         return torch.empty(shape, dtype=dtype)
+    mapping, start = _mapping(nbytes)
+    # The tensor holds the mapping (torch.frombuffer keeps its buffer alive); freeing the tensor unmaps it.
+    return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=start).view(dtype).view(shape)
+
+
+def _mapping(nbytes: int) -> tuple[mmap.mmap, int]:
+    """A fresh anonymous mapping with `nbytes` from a 2 MB boundary (the offset returned), its whole 2 MB pages
+    advised huge where huge pages are advised at all."""
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     start = -ctypes.addressof(ctypes.c_char.from_buffer(mapping)) % HUGE_PAGE_BYTES
     whole = nbytes // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-    with contextlib.suppress(OSError):  # a kernel without THP: small pages, as torch.empty's
-        mapping.madvise(mmap.MADV_HUGEPAGE, start, whole)
-        # With THP "always" the partial page after the last whole one would be huge too: kept small.
-        mapping.madvise(mmap.MADV_NOHUGEPAGE, start + whole, len(mapping) - start - whole)
-    # The tensor holds the mapping (torch.frombuffer keeps its buffer alive); freeing the tensor unmaps it.
-    flat = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=start)
-    return flat.view(dtype).view(shape)
+    if whole and not _why_not_advised():
+        with contextlib.suppress(OSError):  # a kernel without THP: small pages, as torch.empty's
+            mapping.madvise(mmap.MADV_HUGEPAGE, start, whole)
+            # With THP "always" the partial page after the last whole one would be huge too: kept small.
+            mapping.madvise(mmap.MADV_NOHUGEPAGE, start + whole, len(mapping) - start - whole)
+    return mapping, start
+
+
+CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every device's context, not only the current one's
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor the device copies from directly (page-locked) and the host's kernels stream
+    (huge pages): a fresh mapping of exactly its bytes, registered with CUDA while any tensor holds it.
+
+    Why not torch.empty(pin_memory=True): torch's pinned allocator rounds every allocation up to a power of two
+    (the bins of its cache), so a Qwen3-30B-A3B bf16 expert of 9 MiB held 16 MiB of page-locked memory and a
+    Mixtral-8x7B one of 336 MiB held 512; a whole layer in one buffer rounds the same way. Where registering
+    fails (a locked-memory limit, no driver support) torch's pinned memory is used instead, with a warning."""
+    nbytes = max(math.prod(shape) * dtype.itemsize, 1)
+    mapping, start = _mapping(nbytes)
+    # The tensors hold the registered bytes, which hold the mapping: the last tensor freed unregisters them
+    # (_PinnedBytes.__del__), then the mapping is unmapped; a finalizer on the mapping would run after that.
+    pinned_bytes = cast("type[ctypes.Array[ctypes.c_uint8]]",
+                        type("_PinnedBytes", (ctypes.c_uint8 * nbytes,), {"__del__": _unregister}))
+    pinned = pinned_bytes.from_buffer(mapping, start)
+    status = int(torch.cuda.cudart().cudaHostRegister(ctypes.addressof(pinned), nbytes, CUDA_HOST_REGISTER_PORTABLE))
+    if status != 0:
+        log.warning("cudaHostRegister of %d bytes failed (cudaError %d): torch's pinned memory instead, rounded "
+                    "up to a power of two", nbytes, status)
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    setattr(pinned, "registered", True)  # noqa: B010 - an attribute of the subclass made above, not of Array
+    return torch.frombuffer(pinned, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def _unregister(pinned: ctypes.Array) -> None:
+    if getattr(pinned, "registered", False):
+        with contextlib.suppress(Exception):  # at interpreter exit CUDA may be gone before us
+            torch.cuda.cudart().cudaHostUnregister(ctypes.addressof(pinned))
 
 
 class HugePageArena:

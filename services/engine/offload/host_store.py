@@ -1,5 +1,5 @@
-"""Every expert's weights in host memory: one contiguous buffer per expert, pinned when CUDA is present (else
-views of one buffer a layer)."""
+"""Every expert's weights in host memory: one contiguous buffer per expert, each a view of one buffer a layer,
+pinned when a CUDA device copies from it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from services.engine.expert_format import ExpertLayout
 from services.engine.expert_provider import StoredWeights
-from services.engine.host_allocator import huge_page_empty
+from services.engine.host_allocator import huge_page_empty, pinned_empty
 from services.engine.models.spec import ModelSpec
 from services.engine.models.weights import WeightReader, expert_loader, read_ahead
 from services.engine.quant.layout import StoredLayout
@@ -45,14 +45,14 @@ class HostExpertStore:
             # Each expert is packed (and converted) into its buffer as soon as it is read: read as stored, into
             # buffers the reads reuse (weights.read_ahead).
             load = expert_loader(reader, spec, layer, as_stored=True, transient=True)
-            # Unpinned (the host computes from it, no DMA reads it): one buffer a layer on huge pages, which
-            # the host's kernels stream faster (host_allocator.huge_page_empty).
-            layer_buffer = None if pin else huge_page_empty((spec.num_experts, self.layout.numel), self.dtype)
+            # One buffer a layer on huge pages, which the host's kernels stream faster; pinned for the copy
+            # engine where a device reads it, with exactly its bytes (host_allocator.pinned_empty says why not
+            # torch's pinned memory).
+            shape = (spec.num_experts, self.layout.numel)
+            layer_buffer = pinned_empty(shape, self.dtype) if pin else huge_page_empty(shape, self.dtype)
             for expert, w in enumerate(read_ahead(load, spec.num_experts, "cpu")):  # never placed on the device
-                flat = (layer_buffer[expert] if layer_buffer is not None
-                        else torch.empty(self.layout.numel, dtype=self.dtype, pin_memory=pin))
-                self.layout.pack(w, flat)
-                self.buffers[(layer, expert)] = flat
+                self.layout.pack(w, layer_buffer[expert])
+                self.buffers[(layer, expert)] = layer_buffer[expert]
 
     @property
     def expert_bytes(self) -> int:
