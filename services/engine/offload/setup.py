@@ -79,7 +79,9 @@ def build_expert_provider(
         assert isinstance(layout, QuantizedExpertLayout)  # needs_transcoding checked it
         host_layout = QuantizedExpertLayout(spec.hidden_size, spec.moe_intermediate_size, layout.scheme, "cpu")
         transcoder = Transcoder(host_layout, layout)
-    store = HostExpertStore(reader, spec, pin=cuda, layout=layout if transcoder is None else transcoder.host)
+    # Page-locked only where the copy engine reads it: a policy with no device slots (cpu-experts) never copies.
+    store = HostExpertStore(reader, spec, pin=cuda and slots > 0,
+                            layout=layout if transcoder is None else transcoder.host)
     # The unquantized expert: an emulated link and host price an expert as R x its compute on the device.
     reference = expert_bytes(spec, reader.dtype if settings.expert_dtype == "auto" else torch.bfloat16)
     link = make_link(settings, spec, reader.dtype, reference)
