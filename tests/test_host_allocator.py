@@ -97,14 +97,19 @@ def test_an_arena_hands_out_its_buffer_in_turn_and_refuses_more() -> None:
 
 
 class _RecordingCudart:
-    """cudaHostRegister / cudaHostUnregister as calls recorded, for a machine without CUDA."""
+    """cudaHostRegister / cudaHostUnregister as calls recorded, for a machine without CUDA; `status` is what
+    registering returns."""
 
-    def __init__(self) -> None:
+    def __init__(self, status: int = 0) -> None:
         self.calls: list[tuple] = []
+        self.status = status
 
     def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:  # noqa: N802 - CUDA's name
         self.calls.append(("register", ptr, nbytes, flags))
-        return 0
+        return self.status
+
+    def cudaGetErrorString(self, status: int) -> str:  # noqa: N802 - CUDA's name
+        return f"error {status}"
 
     def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802 - CUDA's name
         self.calls.append(("unregister", ptr))
@@ -129,3 +134,13 @@ def test_pinned_memory_is_exactly_its_bytes_and_unregistered_once_no_tensor_hold
     del expert
     gc.collect()
     assert cudart.calls[1:] == [("unregister", address)]
+
+
+def test_memory_that_cannot_be_page_locked_is_a_clear_error(monkeypatch) -> None:
+    """No fallback: the failed call stays CUDA's last error, which torch's next kernel launch would raise."""
+    cudart = _RecordingCudart(status=2)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    with pytest.raises(RuntimeError, match=r"cannot page-lock 4096 bytes .*error 2.*ulimit -l"):
+        pinned_empty((1024,), torch.float32)
+    gc.collect()
+    assert [call[0] for call in cudart.calls] == ["register"]  # nothing registered, so nothing to unregister

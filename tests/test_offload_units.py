@@ -327,3 +327,31 @@ def test_a_transfer_counts_what_is_left_of_it_in_bytes() -> None:
     finally:
         release.set()
         engine.shutdown()
+
+
+def test_a_slot_whose_transfer_is_cancelled_keeps_the_fence_over_its_old_contents() -> None:
+    """CUDA: a transfer takes over the slot's fence (the compute stream's last read of the old contents) and
+    waits on it before its first chunk; cancelled before that, the slot's next transfer must wait instead."""
+    from services.engine.offload.eviction import EvictionInputs, make_eviction
+    from services.engine.offload.expert_cache import ExpertCache
+    from services.engine.quant.layout import expert_layout
+    from services.simulator.model_specs import MODEL_SPECS
+
+    layout = expert_layout(64, 32, "auto", 64, torch.float32, "cpu")
+    eviction = make_eviction("lru", EvictionInputs(MODEL_SPECS["mixtral-8x7b"], 2, 0, None))
+    cache = ExpertCache(2, layout, layout.dtype, "cpu", eviction)
+    link = EmulatedLink(1e9)
+    slot, _ = cache.acquire((0, 1), None, 0, include_protected=True)
+    assert slot is not None
+    fence = object()  # stands for the compute stream's event
+    slot.fence = fence
+    chunks, _ = cache.transfer_chunks(slot, torch.zeros(layout.numel))
+    transfer = Transfer((0, 1), chunks, link.new_event(), False, 1.0, (0, 0), fence=slot.fence)  # type: ignore[arg-type]
+    slot.transfer, slot.fence = transfer, None  # as the provider hands it over
+    cache.release(slot)  # cancelled before its first chunk
+    assert slot.fence is fence
+    slot.fence = None
+    transfer.next_chunk = 1  # a transfer that did start waited on it: nothing to keep
+    slot.transfer = transfer
+    cache.release(slot)
+    assert slot.fence is None

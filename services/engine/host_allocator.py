@@ -145,7 +145,8 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     Why not torch.empty(pin_memory=True): torch's pinned allocator rounds every allocation up to a power of two
     (the bins of its cache), so a Qwen3-30B-A3B bf16 expert of 9 MiB held 16 MiB of page-locked memory and a
     Mixtral-8x7B one of 336 MiB held 512; a whole layer in one buffer rounds the same way. Where registering
-    fails (a locked-memory limit, no driver support) torch's pinned memory is used instead, with a warning."""
+    fails, RuntimeError: the failure stays CUDA's last error, which torch's next kernel launch would raise as
+    its own, so no fallback can run on."""
     nbytes = max(math.prod(shape) * dtype.itemsize, 1)
     mapping, start = _mapping(nbytes)
     # The tensors hold the registered bytes, which hold the mapping: the last tensor freed unregisters them
@@ -153,11 +154,12 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     pinned_bytes = cast("type[ctypes.Array[ctypes.c_uint8]]",
                         type("_PinnedBytes", (ctypes.c_uint8 * nbytes,), {"__del__": _unregister}))
     pinned = pinned_bytes.from_buffer(mapping, start)
-    status = int(torch.cuda.cudart().cudaHostRegister(ctypes.addressof(pinned), nbytes, CUDA_HOST_REGISTER_PORTABLE))
-    if status != 0:
-        log.warning("cudaHostRegister of %d bytes failed (cudaError %d): torch's pinned memory instead, rounded "
-                    "up to a power of two", nbytes, status)
-        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    cudart = torch.cuda.cudart()
+    status = cudart.cudaHostRegister(ctypes.addressof(pinned), nbytes, CUDA_HOST_REGISTER_PORTABLE)
+    if int(status) != 0:
+        raise RuntimeError(f"cannot page-lock {nbytes} bytes of host memory for the expert store "
+                           f"(cudaHostRegister: {cudart.cudaGetErrorString(status)}); check `ulimit -l` and the "
+                           "memory left beside the model")
     setattr(pinned, "registered", True)  # noqa: B010 - an attribute of the subclass made above, not of Array
     return torch.frombuffer(pinned, dtype=torch.uint8).view(dtype).view(shape)
 

@@ -70,6 +70,10 @@ class LLMEngine:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {model_positions}")
         self._torch_threads = torch.get_num_threads()  # restored at close: the setting is process-wide
         apply_threads(config)
+        if config.device.startswith("cuda"):
+            # This thread runs the steps: its current device is the one events, streams and graph capture
+            # default to (cuda:1 recorded host jobs' copy events on cuda:0's stream, and captured nothing).
+            torch.cuda.set_device(torch.device(config.device))
         # Loaded with the transients' pages returned as freed; then the host's activations (and, offloaded, its
         # expert compute) keep and reuse their pages.
         with loading_weights():

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from services.engine.host_allocator import pinned_empty
 from services.engine.offload.link import EmulatedLink, Link, emulation_unit, expert_compute_seconds
 
 if TYPE_CHECKING:
@@ -78,14 +79,14 @@ def measure_costs(
 def _link_seconds(link: Link, expert_bytes: int, dtype: torch.dtype, device: str) -> float:
     if isinstance(link, EmulatedLink):
         return expert_bytes / link.bytes_per_second
-    src = torch.empty(expert_bytes // dtype.itemsize, dtype=dtype, pin_memory=True)
+    src = pinned_empty((expert_bytes // dtype.itemsize,), dtype)  # torch's pinned cache would keep a block twice
     dst = torch.empty_like(src, device=device)
     dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
+    torch.cuda.synchronize(device)
     start = time.perf_counter()
     for _ in range(3):
         dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
+    torch.cuda.synchronize(device)
     return (time.perf_counter() - start) / 3
 
 
@@ -97,9 +98,9 @@ def _cuda_expert_seconds(hidden: int, intermediate: int, dtype: torch.dtype, dev
     down = torch.randn(hidden, intermediate, dtype=dtype, device=device)
     for _ in range(5):
         swiglu(x, gate_up, down)
-    torch.cuda.synchronize()
+    torch.cuda.synchronize(device)
     start = time.perf_counter()
     for _ in range(20):
         swiglu(x, gate_up, down)
-    torch.cuda.synchronize()
+    torch.cuda.synchronize(device)
     return (time.perf_counter() - start) / 20

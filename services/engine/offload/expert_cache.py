@@ -158,6 +158,11 @@ class ExpertCache:
         if slot.key is not None and self._slot_of.get(slot.key) is slot:
             del self._slot_of[slot.key]
             self.eviction.on_evict(slot.key)
+        transfer = slot.transfer
+        if transfer is not None and transfer.next_chunk == 0 and slot.fence is None:
+            # It took the fence over the old contents and never waited on it (cancelled before its first
+            # chunk): the slot's next writer must, or it overwrites what the compute stream may still read.
+            slot.fence = transfer.fence
         self._reset(slot, None)
         self.changes += 1
         self._free.append(slot.index)

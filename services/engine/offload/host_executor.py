@@ -143,7 +143,7 @@ class HostExecutor:
             staged = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
             staged.copy_(x, non_blocking=True)
             copied = torch.cuda.Event()
-            copied.record()
+            copied.record(torch.cuda.current_stream(x.device))  # the copy's stream, whatever device is current
         job = HostJob(self, bus_job)
         self._batch.append((job, weights, staged, copied, x.device, bus_job is None, activation,
                             None if x.is_cuda else sink))
