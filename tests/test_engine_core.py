@@ -211,3 +211,13 @@ async def _until(predicate, timeout: float = 10.0) -> None:
     while not predicate():
         assert loop.time() < deadline, "condition not reached in time"
         await asyncio.sleep(0.01)
+
+
+def test_the_engine_thread_makes_an_indexed_cuda_device_current(monkeypatch) -> None:
+    from services.engine.llm_engine import make_current
+
+    made: list[int] = []
+    monkeypatch.setattr(torch.cuda, "set_device", made.append)
+    for device in ("cpu", "cuda", "cuda:1", "cuda:0"):
+        make_current(device)  # a bare "cuda" is the current device: set_device would raise without an index
+    assert made == [1, 0]

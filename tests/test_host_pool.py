@@ -104,3 +104,4 @@ def test_a_cuda_engines_host_price_times_experts_as_its_store_holds_them(torch_o
     seconds = link.expert_compute_seconds(HIDDEN, WIDTH, torch.bfloat16, repeats=5, pool_is_host=True, layout=layout)
     assert seconds > 0 and seen and all(isinstance(w, QuantizedExpertWeights) for w in seen)
     assert len({id(w) for w in seen}) * layout.nbytes >= link.COLD_BYTES  # cycling from memory, not cache
+

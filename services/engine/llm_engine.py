@@ -70,10 +70,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {model_positions}")
         self._torch_threads = torch.get_num_threads()  # restored at close: the setting is process-wide
         apply_threads(config)
-        if config.device.startswith("cuda"):
-            # This thread runs the steps: its current device is the one events, streams and graph capture
-            # default to (cuda:1 recorded host jobs' copy events on cuda:0's stream, and captured nothing).
-            torch.cuda.set_device(torch.device(config.device))
+        make_current(config.device)
         # Loaded with the transients' pages returned as freed; then the host's activations (and, offloaded, its
         # expert compute) keep and reuse their pages.
         with loading_weights():
@@ -318,3 +315,12 @@ class LLMEngine:
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         return apply_chat_template(self.tokenizer, messages)
+
+
+def make_current(device: str) -> None:
+    """The device this thread's steps run on, made its current one: events, streams and graph capture default
+    to it (under cuda:1 host jobs recorded their copies' events on cuda:0's stream, and graphs captured
+    nothing). A bare "cuda" is the current device already (set_device refuses it: no index)."""
+    parsed = torch.device(device)
+    if parsed.type == "cuda" and parsed.index is not None:
+        torch.cuda.set_device(parsed.index)
