@@ -144,3 +144,10 @@ def test_memory_that_cannot_be_page_locked_is_a_clear_error(monkeypatch) -> None
         pinned_empty((1024,), torch.float32)
     gc.collect()
     assert [call[0] for call in cudart.calls] == ["register"]  # nothing registered, so nothing to unregister
+
+
+def test_an_odd_size_registers_whole_pages(monkeypatch) -> None:
+    cudart = _RecordingCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    t = pinned_empty((1000,), torch.uint8)
+    assert t.numel() == 1000 and cudart.calls[0][2] == __import__("mmap").PAGESIZE and cudart.calls[0][1] == t.data_ptr()

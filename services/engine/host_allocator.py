@@ -140,7 +140,7 @@ CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every device's context, not only t
 
 def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised CPU tensor the device copies from directly (page-locked) and the host's kernels stream
-    (huge pages): a fresh mapping of exactly its bytes, registered with CUDA while any tensor holds it.
+    (huge pages): a fresh mapping of its bytes (to the page), registered with CUDA while any tensor holds it.
 
     Why not torch.empty(pin_memory=True): torch's pinned allocator rounds every allocation up to a power of two
     (the bins of its cache), so a Qwen3-30B-A3B bf16 expert of 9 MiB held 16 MiB of page-locked memory and a
@@ -149,19 +149,20 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     its own, so no fallback can run on."""
     nbytes = max(math.prod(shape) * dtype.itemsize, 1)
     mapping, start = _mapping(nbytes)
+    registered = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages, as older drivers required
     # The tensors hold the registered bytes, which hold the mapping: the last tensor freed unregisters them
     # (_PinnedBytes.__del__), then the mapping is unmapped; a finalizer on the mapping would run after that.
     pinned_bytes = cast("type[ctypes.Array[ctypes.c_uint8]]",
-                        type("_PinnedBytes", (ctypes.c_uint8 * nbytes,), {"__del__": _unregister}))
-    pinned = pinned_bytes.from_buffer(mapping, start)
+                        type("_PinnedBytes", (ctypes.c_uint8 * registered,), {"__del__": _unregister}))
+    pinned = pinned_bytes.from_buffer(mapping, start)  # the mapping has 2 MB to spare past nbytes
     cudart = torch.cuda.cudart()
-    status = cudart.cudaHostRegister(ctypes.addressof(pinned), nbytes, CUDA_HOST_REGISTER_PORTABLE)
+    status = cudart.cudaHostRegister(ctypes.addressof(pinned), registered, CUDA_HOST_REGISTER_PORTABLE)
     if int(status) != 0:
         raise RuntimeError(f"cannot page-lock {nbytes} bytes of host memory for the expert store "
                            f"(cudaHostRegister: {cudart.cudaGetErrorString(status)}); check `ulimit -l` and the "
                            "memory left beside the model")
     setattr(pinned, "registered", True)  # noqa: B010 - an attribute of the subclass made above, not of Array
-    return torch.frombuffer(pinned, dtype=torch.uint8).view(dtype).view(shape)
+    return torch.frombuffer(pinned, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 
 def _unregister(pinned: ctypes.Array) -> None:
