@@ -48,7 +48,9 @@ class SpeculativePrefetcher(Prefetcher):
         rows: list[torch.Tensor] = []
         for _, target, _ in plan:
             chosen, probs = self.guess(layer, target, ctx)
-            votes = torch.bincount(chosen.flatten(), minlength=probs.shape[-1]).to(probs.dtype)
+            # scatter_add_, not bincount: CUDA's bincount reads the largest id back first, a second host sync
+            flat = chosen.flatten()
+            votes = probs.new_zeros(probs.shape[-1]).scatter_add_(0, flat, torch.ones_like(flat, dtype=probs.dtype))
             rows += (votes, probs.mean(dim=0), probs.amax(dim=0))
         table = torch.stack(rows).tolist()
         requests = []
