@@ -23,6 +23,7 @@ from services.engine.quant.packed import SCALE_DTYPE, int4_inner_k_tiles
 
 Repack = Callable[[], None]  # run on the copy stream once its chunk's copy is queued
 
+
 def tinygemm_inputs(weight: torch.Tensor, shape: tuple[int, int], group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One int4 matrix's bytes in the CPU kernels' layout -> (nibble pairs [N, K/2] uint8, input k's in the high
     nibble of byte k/2 when k is even; (scale, zero) [K/group, N, 2] in SCALE_DTYPE): what pack_int4 hands
