@@ -105,3 +105,15 @@ def test_a_cuda_engines_host_price_times_experts_as_its_store_holds_them(torch_o
     assert seconds > 0 and seen and all(isinstance(w, QuantizedExpertWeights) for w in seen)
     assert len({id(w) for w in seen}) * layout.nbytes >= link.COLD_BYTES  # cycling from memory, not cache
 
+
+
+@pytest.mark.parametrize("dtype", ["auto", "int8", "int4"])
+def test_the_device_price_times_an_expert_as_the_slots_hold_it(dtype: str) -> None:
+    """The placement's device side: slots of quantized experts take the quantized products, timed as such (run
+    here on the CPU, where the same function times the CPU's own layouts)."""
+    from services.engine.offload.cost_model import device_expert_seconds
+    from services.engine.quant.layout import expert_layout
+
+    layout = expert_layout(HIDDEN, WIDTH, dtype, 64, torch.float32, "cpu")
+    assert device_expert_seconds(HIDDEN, WIDTH, torch.float32, "cpu", 4, layout) > 0
+    assert device_expert_seconds(HIDDEN, WIDTH, torch.float32, "cpu", 1) > 0

@@ -17,6 +17,7 @@ from services.engine.host_allocator import pinned_empty
 from services.engine.offload.link import EmulatedLink, Link, emulation_unit, expert_compute_seconds
 
 if TYPE_CHECKING:
+    from services.engine.expert_provider import StoredWeights
     from services.engine.quant.layout import StoredLayout
 
 # The default --host-ratio: one Mixtral-8x7B fp16 expert on one token on a dual-channel DDR4-3200 host over
@@ -58,18 +59,18 @@ class PlacementCosts:
 
 def measure_costs(
     hidden: int, intermediate: int, dtype: torch.dtype, device: str, link: Link, expert_bytes: int,
-    host_ratio: float | None, host_layout: StoredLayout | None = None,
+    host_ratio: float | None, host_layout: StoredLayout | None = None, device_layout: StoredLayout | None = None,
 ) -> PlacementCosts:
     """`host_ratio` None on CUDA: the host is measured, on experts stored in `host_layout` (the host store's;
-    None: dense in `dtype`); on CPU the emulated host is that ratio (default DEFAULT_HOST_RATIO) times the
-    device."""
+    None: dense in `dtype`), and the device on experts in `device_layout` (the slots'; None: dense); on CPU the
+    emulated host is that ratio (default DEFAULT_HOST_RATIO) times the device."""
     if device == "cpu":
         dev = (emulation_unit(hidden, intermediate, dtype, 1), emulation_unit(hidden, intermediate, dtype, PROBE_TOKENS))
         ratio = host_ratio or DEFAULT_HOST_RATIO
         host = (ratio * dev[0], ratio * dev[1])
     else:
-        dev = (_cuda_expert_seconds(hidden, intermediate, dtype, device, 1),
-               _cuda_expert_seconds(hidden, intermediate, dtype, device, PROBE_TOKENS))
+        dev = (device_expert_seconds(hidden, intermediate, dtype, device, 1, device_layout),
+               device_expert_seconds(hidden, intermediate, dtype, device, PROBE_TOKENS, device_layout))
         host = (expert_compute_seconds(hidden, intermediate, dtype, 20, 1, pool_is_host=True, layout=host_layout),
                 expert_compute_seconds(hidden, intermediate, dtype, 20, PROBE_TOKENS, pool_is_host=True,
                                        layout=host_layout))
@@ -90,17 +91,33 @@ def _link_seconds(link: Link, expert_bytes: int, dtype: torch.dtype, device: str
     return (time.perf_counter() - start) / 3
 
 
-def _cuda_expert_seconds(hidden: int, intermediate: int, dtype: torch.dtype, device: str, tokens: int) -> float:
-    from services.engine.models.moe import swiglu
+def device_expert_seconds(hidden: int, intermediate: int, dtype: torch.dtype, device: str, tokens: int,
+                          layout: StoredLayout | None = None) -> float:
+    """One expert's time on `tokens` tokens on the device, as its slots hold it (`layout`: quantized slots take
+    torch's int8/int4 products, which a dense expert would misprice; None: dense in `dtype`)."""
+    from services.engine.expert_provider import ExpertWeights
+    from services.engine.models.moe import expert_forward
 
     x = torch.randn(tokens, hidden, dtype=dtype, device=device)
-    gate_up = torch.randn(2 * intermediate, hidden, dtype=dtype, device=device)
-    down = torch.randn(hidden, intermediate, dtype=dtype, device=device)
+    dense = ExpertWeights(torch.randn(2 * intermediate, hidden, dtype=dtype) / hidden**0.5,
+                          torch.randn(hidden, intermediate, dtype=dtype) / intermediate**0.5)
+    w: StoredWeights
+    if layout is None:
+        w = ExpertWeights(dense.gate_up.to(device), dense.down.to(device))
+    else:
+        flat = torch.empty(layout.numel, dtype=layout.dtype, device=device)
+        layout.pack(dense, flat)
+        w = layout.views(flat)
+
+    def settle() -> None:
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+
     for _ in range(5):
-        swiglu(x, gate_up, down)
-    torch.cuda.synchronize(device)
+        expert_forward(x, w)
+    settle()
     start = time.perf_counter()
     for _ in range(20):
-        swiglu(x, gate_up, down)
-    torch.cuda.synchronize(device)
+        expert_forward(x, w)
+    settle()
     return (time.perf_counter() - start) / 20

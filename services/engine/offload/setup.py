@@ -88,7 +88,7 @@ def build_expert_provider(
     costs = None
     if is_hybrid(settings.policy):
         costs = measure_costs(spec.hidden_size, spec.moe_intermediate_size, reader.dtype, settings.device, link,
-                              store.expert_bytes, settings.host_ratio, host_layout=store.layout)
+                              store.expert_bytes, settings.host_ratio, host_layout=store.layout, device_layout=layout)
         log.info("placement costs (ms): device %.3f, host %.3f, link %.3f per expert and token",
                  costs.device(1) * 1e3, costs.host(1) * 1e3, costs.link * 1e3)
         if not cuda and isinstance(link, EmulatedLink):  # the emulated host and link read one DRAM
