@@ -35,3 +35,25 @@ def test_a_host_job_from_a_bf16_device_runs_on_the_kernels_pool() -> None:
     finally:
         executor.shutdown()
         cpu_kernels.set_threads(before)
+
+
+@pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler: native kernels not built")
+def test_a_layers_host_experts_on_the_same_rows_share_one_copy_to_the_host() -> None:
+    gen = torch.Generator().manual_seed(1)
+    experts = [ExpertWeights((torch.randn(512, 256, generator=gen) / 16).bfloat16(),
+                             (torch.randn(256, 256, generator=gen) / 16).bfloat16()) for _ in range(3)]
+    executor = HostExecutor(1, OffloadStats(1), pool_is_host=True)
+    try:
+        x = torch.randn(1, 256, device="cuda", dtype=torch.bfloat16)  # a one-token layer's rows, shared
+        jobs = [executor.submit(w, x) for w in experts]
+        staged = [item[2] for item in executor._batch]
+        assert all(s is staged[0] for s in staged)
+        executor.flush()
+        for w, job in zip(experts, jobs):
+            assert torch.equal(job.result().cpu(), expert_forward(x.cpu().float(), w, pool_is_host=True).bfloat16())
+        other = executor.submit(experts[0], x)  # the next layer copies afresh
+        assert executor._batch[-1][2] is not staged[0]
+        executor.flush()
+        other.result()
+    finally:
+        executor.shutdown()
