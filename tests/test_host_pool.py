@@ -5,6 +5,8 @@ on bf16 rows as they arrive from a bf16 device; tests/gpu runs the job from a CU
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -39,8 +41,8 @@ def _bf16_expert(seed: int = 0) -> ExpertWeights:
                          (torch.randn(HIDDEN, WIDTH, generator=gen) / 11).bfloat16())
 
 
-def test_a_hybrid_cuda_engine_sizes_the_pool_and_leaves_torch_alone(demo_model_dir: str,
-                                                                    torch_on_two_threads: None) -> None:
+def test_a_hybrid_cuda_engine_sizes_the_pool_and_leaves_torch_alone(demo_model_dir: str, torch_on_two_threads: None,
+                                                                    monkeypatch) -> None:
     copies_only = EngineConfig(model=demo_model_dir, device="cuda", offload_policy="lru", threads=3)
     apply_threads(copies_only)
     assert cpu_kernels.pool_threads() == 1 and torch.get_num_threads() == 2 and compute_line(copies_only) is None
@@ -48,8 +50,14 @@ def test_a_hybrid_cuda_engine_sizes_the_pool_and_leaves_torch_alone(demo_model_d
     apply_threads(hybrid)
     assert cpu_kernels.pool_threads() == 3 and torch.get_num_threads() == 2
     assert compute_line(hybrid) == f"host experts on {cpu_kernels.describe()}, 3 thread(s)"
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
     apply_threads(EngineConfig(model=demo_model_dir, device="cuda", offload_policy="cpu-experts"))
-    assert cpu_kernels.pool_threads() == core_threads() and torch.get_num_threads() == 2
+    # A core for the frontend, as a CPU engine leaves, and one for the thread launching the device's kernels.
+    assert cpu_kernels.pool_threads() == core_threads() - 1 == 6 and torch.get_num_threads() == 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")  # said outright: taken as it is
+    apply_threads(EngineConfig(model=demo_model_dir, device="cuda", offload_policy="cpu-experts"))
+    assert cpu_kernels.pool_threads() == 5
 
 
 def test_a_host_job_on_bf16_rows_takes_the_kernels_when_the_pool_is_the_hosts(torch_on_two_threads: None) -> None:

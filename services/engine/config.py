@@ -49,7 +49,7 @@ class EngineConfig:
     weight_group_size: int = 64  # int4 dense matrices: inputs per (scale, zero): 64 or 128
     # CPU compute threads (the native kernels' pool; torch then runs one): None = cores - 1, one core left
     # to the frontend as vLLM's CPU worker leaves it (OMP_NUM_THREADS decides when set); generate and serve alike.
-    # On CUDA: the pool for a hybrid policy's host experts (torch keeps its threads).
+    # On CUDA: the pool for a hybrid policy's host experts, None = cores - 2 (torch keeps its threads).
     threads: int | None = None
     # Predictor link (policies with prediction hints): Redis broker, or an embedded predictor without one.
     redis_url: str | None = None  # redis://host:port; None: in-process broker + embedded predictor service

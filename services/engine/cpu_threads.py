@@ -21,6 +21,16 @@ def core_threads() -> int:
     return max(1, (os.cpu_count() or 1) - 1)
 
 
+def host_threads(config: EngineConfig) -> int:
+    """The kernels' pool on a CUDA engine whose host computes experts: one core fewer than a CPU engine's, as
+    the thread that launches the device's kernels must not wait for a core behind a host job's workers
+    (`--threads` or OMP_NUM_THREADS, when set, decide)."""
+    if config.threads:
+        return config.threads
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    return core_threads() if omp.strip().isdigit() and int(omp) > 0 else max(1, core_threads() - 1)
+
+
 def apply_threads(config: EngineConfig) -> None:
     """CPU compute threads, the same for `generate` (core on a thread) and `serve` (core process): the native
     kernels' pool gets them and torch runs one intra-op thread, so no two pools share the cores; without the
@@ -30,17 +40,16 @@ def apply_threads(config: EngineConfig) -> None:
     if config.device == "cpu":
         use_threads(config.threads or core_threads())
     elif _host_computes(config):
-        cpu_kernels.set_threads(config.threads or core_threads())
+        cpu_kernels.set_threads(host_threads(config))
 
 
 def compute_line(config: EngineConfig) -> str | None:
     """What a CPU engine computes with, or a CUDA engine's host experts, for its start-up line (None: a CUDA
     engine whose CPU computes no experts)."""
-    threads = config.threads or core_threads()
     if config.device == "cpu":
-        return f"{cpu_kernels.describe()}, {threads} compute thread(s)"
+        return f"{cpu_kernels.describe()}, {config.threads or core_threads()} compute thread(s)"
     if _host_computes(config):
-        return f"host experts on {cpu_kernels.describe()}, {threads} thread(s)"
+        return f"host experts on {cpu_kernels.describe()}, {host_threads(config)} thread(s)"
     return None
 
 
