@@ -151,3 +151,31 @@ def test_an_odd_size_registers_whole_pages(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
     t = pinned_empty((1000,), torch.uint8)
     assert t.numel() == 1000 and cudart.calls[0][2] == __import__("mmap").PAGESIZE and cudart.calls[0][1] == t.data_ptr()
+
+
+def test_a_cuda_engines_host_store_pins_one_buffer_a_layer(tiny_mixtral_dir: str, monkeypatch) -> None:
+    """Pinned (a CUDA engine's copy engine reads it): one registered buffer per MoE layer, of its experts'
+    bytes to the page, each expert a view of it, with the same bytes as the unpinned store."""
+    import mmap
+
+    from services.engine.models.spec import load_hf_config, spec_from_config
+    from services.engine.models.weights import WeightReader
+    from services.engine.offload.host_store import HostExpertStore
+    from services.engine.quant.checkpoint import open_checkpoint
+    from services.engine.quant.layout import expert_layout
+
+    cudart = _RecordingCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    spec = spec_from_config(load_hf_config(tiny_mixtral_dir))
+    reader = WeightReader(open_checkpoint(tiny_mixtral_dir, None), torch.float32, "cpu")
+    layout = expert_layout(spec.hidden_size, spec.moe_intermediate_size, "int4", 32, torch.float32, "cpu")
+    pinned = HostExpertStore(reader, spec, pin=True, layout=layout)
+    plain = HostExpertStore(reader, spec, pin=False, layout=layout)
+    layers = [layer for layer in range(spec.num_layers) if spec.moe_layers[layer]]
+    layer_bytes = spec.num_experts * layout.numel
+    assert [call[2] for call in cudart.calls] == [-(-layer_bytes // mmap.PAGESIZE) * mmap.PAGESIZE] * len(layers)
+    for layer, call in zip(layers, cudart.calls, strict=True):
+        for expert in range(spec.num_experts):
+            buffer = pinned.buffers[(layer, expert)]
+            assert buffer.data_ptr() == call[1] + expert * layout.numel  # a view of its layer's buffer
+            assert torch.equal(buffer, plain.buffers[(layer, expert)])
