@@ -15,20 +15,20 @@ from services.engine.config import EngineConfig
 def core_threads() -> int:
     """Compute threads for the core: one core left to the frontend (HTTP, SSE, detokenisation), as vLLM's CPU
     worker does; OMP_NUM_THREADS, when set, decides."""
-    omp = os.environ.get("OMP_NUM_THREADS", "")
-    if omp.strip().isdigit() and int(omp) > 0:
-        return int(omp)
-    return max(1, (os.cpu_count() or 1) - 1)
+    return _omp_threads() or max(1, (os.cpu_count() or 1) - 1)
+
+
+def _omp_threads() -> int | None:
+    """OMP_NUM_THREADS where it names a positive count, else None."""
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(omp) if omp.isdigit() and int(omp) > 0 else None
 
 
 def host_threads(config: EngineConfig) -> int:
     """The kernels' pool on a CUDA engine whose host computes experts: one core fewer than a CPU engine's, as
     the thread that launches the device's kernels must not wait for a core behind a host job's workers
     (`--threads` or OMP_NUM_THREADS, when set, decide)."""
-    if config.threads:
-        return config.threads
-    omp = os.environ.get("OMP_NUM_THREADS", "")
-    return core_threads() if omp.strip().isdigit() and int(omp) > 0 else max(1, core_threads() - 1)
+    return config.threads or _omp_threads() or max(1, core_threads() - 1)
 
 
 def apply_threads(config: EngineConfig) -> None:

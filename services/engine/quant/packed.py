@@ -2,7 +2,9 @@
 the native kernels' (cpu_kernels/formats.py) on the CPU.
 
 The layouts differ between CPU and CUDA (each kernel has its own int4 tiling) but their sizes barely do, so
-the host store keeps the compute device's layout and a transfer is a plain byte copy.
+the host store keeps the compute device's layout and a transfer is a plain byte copy; where a CUDA engine's
+host computes experts too, the store keeps the CPU's and each copy is repacked on the device
+(offload/transcode.py).
 """
 
 from __future__ import annotations
