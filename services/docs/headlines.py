@@ -101,6 +101,8 @@ HEADLINES = (
              "benchmarks/cpu-real-shape.md", _vs_llamacpp),
     Headline("The same on an Intel Xeon (AVX-512 with VNNI and BF16)", "vs_llamacpp_xeon_bf16.json",
              "benchmarks/cpu-real-shape.md", _vs_llamacpp),
+    Headline("The same on an Intel Xeon whose hypervisor hides BF16 and AMX (bf16 widened to fp32)",
+             "vs_llamacpp_xeon.json", "benchmarks/cpu-real-shape.md", _vs_llamacpp),
     Headline("The same on an Intel Xeon with AMX tiles (bf16 and int8 prefill on them)", "vs_llamacpp_xeon_amx.json",
              "benchmarks/cpu-real-shape.md", _vs_llamacpp),
     Headline("int4 experts, demo model (all experts)", "quant.json",
