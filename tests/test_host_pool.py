@@ -14,10 +14,11 @@ from services.engine import cpu_kernels
 from services.engine.config import EngineConfig
 from services.engine.cpu_kernels import formats
 from services.engine.cpu_threads import apply_threads, compute_line, core_threads
-from services.engine.expert_provider import ExpertWeights
-from services.engine.models.moe import expert_forward, swiglu
+from services.engine.expert_provider import ExpertWeights, StoredWeights
+from services.engine.models.moe import expert_forward, pooled_expert, swiglu
 from services.engine.offload.host_executor import HostExecutor, host_math
 from services.engine.offload.stats import OffloadStats
+from services.engine.quant.layout import expert_layout
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler: native kernels not built")
 
@@ -86,6 +87,70 @@ def test_the_host_executor_runs_its_jobs_on_the_pool(torch_on_two_threads: None)
         executor.flush()
         for x, job in zip(xs, jobs):
             assert torch.equal(job.result(), expert_forward(x.float(), w, pool_is_host=True).bfloat16())
+    finally:
+        executor.shutdown()
+
+
+def _stored(dtype: str, seed: int) -> StoredWeights:
+    """An expert as a host store holds it: bf16 rows, or the CPU kernels' int8 / int4 layout."""
+    layout = expert_layout(HIDDEN, WIDTH, dtype, 64, torch.float32, "cpu")
+    flat = torch.empty(layout.numel, dtype=layout.dtype)
+    dense = torch.randn(3 * WIDTH, HIDDEN, generator=torch.Generator().manual_seed(seed)) / 16
+    layout.pack(ExpertWeights(dense[: 2 * WIDTH], dense[2 * WIDTH :].t().contiguous()), flat)
+    return layout.views(flat)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8", "int4"])
+def test_experts_in_one_call_give_each_row_what_a_call_each_gives(torch_on_two_threads: None, dtype: str) -> None:
+    cpu_kernels.set_threads(2)
+    experts = [_stored(dtype, seed) for seed in range(3)]
+    rows = [1, 3, 2]
+    xs = [torch.randn(n, HIDDEN, generator=torch.Generator().manual_seed(10 + n)) for n in rows]
+    calls = [call for x, w in zip(xs, experts) if (call := pooled_expert(x, w)) is not None]
+    assert len(calls) == len(experts)
+    together = formats.run_experts(torch.cat(xs), calls, rows)
+    for part, x, w in zip(together.split(rows), xs, experts):
+        assert torch.equal(part, expert_forward(x, w, pool_is_host=True))
+    other = pooled_expert(xs[0], _stored("int8" if dtype != "int8" else "int4", 0))
+    assert other is not None
+    with pytest.raises(ValueError, match="one format and shape"):
+        formats.run_experts(torch.cat(xs[:2]), [calls[0], other], rows[:2])
+
+
+def test_the_host_executor_computes_a_layers_whole_experts_in_one_call(torch_on_two_threads: None,
+                                                                        monkeypatch) -> None:
+    """A CUDA engine's host: the layer's jobs of one kind share one native call (one pass over the pool, one
+    copy back), each its own result; a split expert's half and a job of another kind run alone."""
+    from services.engine.offload import host_executor
+
+    grouped: list[int] = []
+    run_experts = formats.run_experts
+
+    def recorded(x, calls, rows):
+        grouped.append(len(calls))
+        return run_experts(x, calls, rows)
+
+    monkeypatch.setattr(host_executor.formats, "run_experts", recorded)
+    cpu_kernels.set_threads(2)
+    int4 = [_stored("int4", seed) for seed in range(4)]
+    int8, split = _stored("int8", 9), _bf16_expert(3)
+    x = torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(5)).bfloat16()  # a bf16 device's token
+    executor = HostExecutor(1, OffloadStats(1), pool_is_host=True)
+    try:
+        jobs = [executor.submit(w, x) for w in int4[:2]] + [executor.submit(int8, x)]
+        jobs += [executor.submit(split, x, activation=True)] + [executor.submit(w, x) for w in int4[2:]]
+        executor.flush()
+        expected = [host_math(w, x, False, True) for w in (*int4[:2], int8)] + [host_math(split, x, True, True)]
+        expected += [host_math(w, x, False, True) for w in int4[2:]]
+        for job, want in zip(jobs, expected):
+            assert torch.equal(job.result(), want)
+        assert grouped == [4]
+        monkeypatch.setattr(host_executor.formats, "run_experts", lambda *_: (_ for _ in ()).throw(MemoryError("x")))
+        failing = [executor.submit(w, x) for w in int4[:2]]
+        executor.flush()
+        for job in failing:  # every job of the group says why
+            with pytest.raises(MemoryError):
+                job.result()
     finally:
         executor.shutdown()
 

@@ -38,7 +38,14 @@ def test_a_host_job_from_a_bf16_device_runs_on_the_kernels_pool() -> None:
 
 
 @pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler: native kernels not built")
-def test_a_layers_host_experts_on_the_same_rows_share_one_copy_to_the_host() -> None:
+def test_a_layers_host_experts_on_the_same_rows_share_one_copy_to_the_host(monkeypatch) -> None:
+    """...and one native call, whose outputs go back to the device in one copy (HostGroup)."""
+    from services.engine.offload import host_executor
+
+    calls: list[int] = []
+    run_experts = host_executor.formats.run_experts
+    monkeypatch.setattr(host_executor.formats, "run_experts",
+                        lambda x, group, rows: calls.append(len(group)) or run_experts(x, group, rows))
     gen = torch.Generator().manual_seed(1)
     experts = [ExpertWeights((torch.randn(512, 256, generator=gen) / 16).bfloat16(),
                              (torch.randn(256, 256, generator=gen) / 16).bfloat16()) for _ in range(3)]
@@ -51,6 +58,7 @@ def test_a_layers_host_experts_on_the_same_rows_share_one_copy_to_the_host() -> 
         executor.flush()
         for w, job in zip(experts, jobs):
             assert torch.equal(job.result().cpu(), expert_forward(x.cpu().float(), w, pool_is_host=True).bfloat16())
+        assert calls == [3]
         other = executor.submit(experts[0], x)  # the next layer copies afresh
         assert executor._batch[-1][2] is not staged[0]
         executor.flush()

@@ -36,22 +36,39 @@ def expert_forward(x: torch.Tensor, w: ExpertWeights | QuantizedExpertWeights, p
     """One routed expert on the tokens routed to it: the single entry point every executor calls
     (`pool_is_host`: cpu_kernels.usable's)."""
     if cpu_kernels.usable(x, pool_is_host):
-        if (native_expert(w) and w.gate_up.numel() < POOLED_EXPERT_PARAMS
-                and cpu_kernels.widths_supported(x.shape[1]) and x.is_contiguous()):
+        if _runs_alone(w, x):
             # The kernel the device path's fused add runs (moe_forward), here into rows of its own: torch's
             # two linears and silu cost ~10 us more per call on a small expert (a host job's, offload/host_path.py).
             # It runs on the calling thread alone, untiled: a large expert goes to the pool's tiles below.
             out = torch.empty(x.shape[0], w.down.shape[0])
             cpu_kernels.expert_rows(x, w.gate_up, w.down, out, x.shape[0])
             return out
-        call = w.native  # any CPU format, on the kernels' pool
-        if call is None:
-            call = w.native = formats.expert_call(w.gate_up, w.down) or False
-        if call is not False:
+        call = _pool_call(w)
+        if call is not None:
             return formats.run_expert(x, call)
     if isinstance(w, QuantizedExpertWeights):
         return packed_swiglu(x, w.gate_up, w.down)
     return expert_down(expert_activation(x, w.gate_up, pool_is_host), w.down, x.dtype, pool_is_host)
+
+
+def pooled_expert(x: torch.Tensor, w: ExpertWeights | QuantizedExpertWeights) -> formats.ExpertCall | None:
+    """The native call expert_forward computes this expert by on the kernels' pool, for rows like x where the
+    kernels are usable (the caller's check), None where it takes another path: what several experts share in
+    one call (formats.run_experts) to give each row the same sums."""
+    return None if _runs_alone(w, x) else _pool_call(w)
+
+
+def _runs_alone(w: ExpertWeights | QuantizedExpertWeights, x: torch.Tensor) -> TypeGuard[ExpertWeights]:
+    return (native_expert(w) and w.gate_up.numel() < POOLED_EXPERT_PARAMS
+            and cpu_kernels.widths_supported(x.shape[1]) and x.is_contiguous())
+
+
+def _pool_call(w: ExpertWeights | QuantizedExpertWeights) -> formats.ExpertCall | None:
+    """Any CPU format's call on the pool, made on first use and kept beside the weights (False: none)."""
+    call = w.native
+    if call is None:
+        call = w.native = formats.expert_call(w.gate_up, w.down) or False
+    return call or None
 
 
 def native_expert(w: ExpertWeights | QuantizedExpertWeights) -> TypeGuard[ExpertWeights]:
