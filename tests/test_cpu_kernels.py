@@ -322,3 +322,27 @@ def test_rope_write_kv_matches_apply_rope_and_write_kv(head_norms: bool) -> None
     for bad_positions, bad_slots in ((positions + 1, slot_ids), (positions, slot_ids + 1)):
         with pytest.raises(ValueError, match="outside"):
             cpu_kernels.rope_write_kv(qkv, heads, kv_heads, dim, cos, sin, bad_positions, bad_slots, k_cache, v_cache)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_convert_rounds_and_widens_as_torch_does(threads: int) -> None:
+    """A CUDA engine's host rows between fp32 and bf16 on the pool (convert.c): torch's round to nearest even,
+    infinities and overflow kept, a NaN stays a NaN; widening exact; fp32 copied bit for bit."""
+    before = cpu_kernels.pool_threads() or 1
+    cpu_kernels.set_threads(threads)
+    try:
+        x = torch.randn(37, 2048, generator=torch.Generator().manual_seed(0)) * 1e3
+        x[0, :6] = torch.tensor([float("inf"), -float("inf"), 3.4e38, -3.4e38, 1e-40, float("nan")])
+        x[1, :3] = torch.tensor([1.00390625, 1.01171875, -1.00390625])  # ties: to even, both ways
+        narrow = cpu_kernels.convert(x, torch.empty(x.shape, dtype=torch.bfloat16))
+        finite = ~x.isnan()
+        assert torch.equal(narrow[finite].view(torch.int16), x[finite].bfloat16().view(torch.int16))
+        assert narrow[~finite].isnan().all()
+        wide = cpu_kernels.convert(narrow, torch.empty(x.shape))
+        assert torch.equal(wide.view(torch.int32)[finite], narrow.float().view(torch.int32)[finite])
+        same = cpu_kernels.convert(x, torch.empty(x.shape))
+        assert torch.equal(same.view(torch.int32), x.view(torch.int32))
+        half = cpu_kernels.convert(x[2:4], torch.empty(2, 2048, dtype=torch.float16))  # torch's, as before
+        assert torch.equal(half, x[2:4].half())
+    finally:
+        cpu_kernels.set_threads(before)

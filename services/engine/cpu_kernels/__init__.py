@@ -36,7 +36,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("kernels.c", "threadpool.c", "matmul.c", "rows.c", "moe.c",
-                                                          "layer.c", "amx.c", "quantize.c")]
+                                                          "layer.c", "amx.c", "quantize.c", "convert.c")]
 HEADERS = [Path(__file__).with_name(name) for name in ("hs.h", "rows_neon.h")]
 # The second where the compiler knows no -march=native. -fno-math-errno: lrintf inline, not a libm call per element.
 _FLAG_SETS = (["-O3", "-march=native", "-fno-math-errno"], ["-O3", "-fno-math-errno"])
@@ -132,6 +132,8 @@ def library() -> ctypes.CDLL | None:
                                     _ptr, _ptr, _ptr]
     lib.hs_decode_layer_work.restype = _i64
     lib.hs_decode_layer_work.argtypes = [_ptr, _i64]
+    lib.hs_convert.restype = ctypes.c_int
+    lib.hs_convert.argtypes = [_ptr, _ptr, _i64, ctypes.c_int]
     lib.hs_isa.restype = ctypes.c_char_p
     lib.hs_amx_rows.restype = ctypes.c_int
     lib.hs_amx_rows.argtypes = [_i64]
@@ -176,6 +178,21 @@ def pool_threads() -> int | None:
     """The pool's size, or None without the kernels (torch then has every thread already)."""
     lib = library()
     return None if lib is None else lib.hs_threads()
+
+
+_CONVERSIONS = {(torch.float32, torch.float32): 0, (torch.bfloat16, torch.float32): 1,
+                (torch.float32, torch.bfloat16): 2}
+
+
+def convert(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """src's values into `out` (contiguous, as many elements), fp32 and bf16 either way on the kernels' pool
+    (convert.c says why not torch's), other dtypes by torch; returns out."""
+    kind = _CONVERSIONS.get((src.dtype, out.dtype))
+    lib = library()
+    if kind is None or lib is None or not src.is_contiguous() or not out.is_contiguous() or src.numel() != out.numel():
+        return out.copy_(src.view(out.shape) if src.is_contiguous() and src.numel() == out.numel() else src)
+    lib.hs_convert(src.data_ptr(), out.data_ptr(), src.numel(), kind)
+    return out
 
 
 def read_probe(buffer: torch.Tensor) -> int:

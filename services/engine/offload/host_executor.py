@@ -82,18 +82,32 @@ class HostJob:
         return self._value
 
 
-def host_math(weights: StoredWeights, x: torch.Tensor, activation: bool, pool_is_host: bool) -> torch.Tensor:
+def host_math(weights: StoredWeights, x: torch.Tensor, activation: bool, pool_is_host: bool, pinned: bool = False
+              ) -> torch.Tensor:
     """One host job's math: the whole expert, or (`activation`) a split one's gate/up half, in x's dtype. Where
     the kernels' pool is the host's, a bf16 device's rows are widened for them (exactly: bf16 is a prefix of
     fp32) and the result narrowed back: the native bf16 expert read 2.2 times torch's bf16 product per second
     (Qwen3 shape, one row, two threads, Zen 4 guest)."""
-    rows = x.float() if pool_is_host and x.dtype != torch.float32 else x
+    widen = pool_is_host and x.dtype != torch.float32
+    rows = cpu_kernels.convert(x, torch.empty(x.shape)) if widen else x
     if activation:
         assert isinstance(weights.gate_up, torch.Tensor)  # only a dense expert splits
         y = expert_activation(rows, weights.gate_up, pool_is_host)
     else:
         y = expert_forward(rows, weights, pool_is_host)
-    return y if y.dtype == x.dtype else y.to(x.dtype)
+    if pool_is_host:
+        return in_dtype(y, x.dtype, pinned)
+    y = y if y.dtype == x.dtype else y.to(x.dtype)
+    return y.pin_memory() if pinned else y
+
+
+def in_dtype(y: torch.Tensor, dtype: torch.dtype, pinned: bool = False) -> torch.Tensor:
+    """A host result in the device's dtype (`pinned`: in pinned memory, to copy to the device from), converted
+    on the kernels' pool: torch's conversion of a prefill's rows left its intra-op threads spinning on the
+    pool's cores (cpu_kernels/convert.c)."""
+    if y.dtype == dtype and not pinned:
+        return y
+    return cpu_kernels.convert(y, torch.empty(y.shape, dtype=dtype, pin_memory=pinned))
 
 
 class HostGroup:
@@ -249,13 +263,15 @@ class HostExecutor:
                 event.synchronize()
             start = time.perf_counter()
             rows = [item[2].shape[0] for item in items]
-            x = torch.cat([item[2] for item in items])
-            y = formats.run_experts(x if x.dtype == torch.float32 else x.float(), group.calls, rows)
+            x = torch.empty(sum(rows), items[0][2].shape[1])
+            for item, part in zip(items, x.split(rows)):  # widened on the pool, as host_math's rows
+                cpu_kernels.convert(item[2], part)
+            y = formats.run_experts(x, group.calls, rows)
+            device = items[0][4]
+            y = in_dtype(y, items[0][2].dtype, pinned=device.type == "cuda")
             self.stats.host_busy_seconds += time.perf_counter() - start
-            dtype, device = items[0][2].dtype, items[0][4]
-            y = y if y.dtype == dtype else y.to(dtype)
             if device.type == "cuda":  # one copy back for the group, each job a slice of it
-                y = y.pin_memory().to(device, non_blocking=True)
+                y = y.to(device, non_blocking=True)
             for item, part in zip(items, y.split(rows)):
                 item[0]._value = part
         except BaseException as e:  # the MoE layer gathering each job re-raises
@@ -296,14 +312,14 @@ class HostExecutor:
         if copied is not None:
             copied.synchronize()
         start = time.perf_counter()
-        y = host_math(weights, x, activation, self.pool_is_host)
+        y = host_math(weights, x, activation, self.pool_is_host, pinned=device.type == "cuda")
         if real:
             self.stats.host_busy_seconds += time.perf_counter() - start
         if device.type != "cuda":
             return y
         # On the legacy default stream, which the compute thread's kernels share: ordered before what it
         # queues once it has the result.
-        return y.pin_memory().to(device, non_blocking=True)
+        return y.to(device, non_blocking=True)
 
     def shutdown(self) -> None:
         self.flush()
