@@ -190,7 +190,7 @@ def convert(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     kind = _CONVERSIONS.get((src.dtype, out.dtype))
     lib = library()
     if kind is None or lib is None or not src.is_contiguous() or not out.is_contiguous() or src.numel() != out.numel():
-        return out.copy_(src.view(out.shape) if src.is_contiguous() and src.numel() == out.numel() else src)
+        return out.copy_(src.reshape(out.shape))
     lib.hs_convert(src.data_ptr(), out.data_ptr(), src.numel(), kind)
     return out
 
