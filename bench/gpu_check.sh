@@ -51,3 +51,13 @@ if [ "${REAL_SHAPE:-0}" = 1 ]; then
         "${REAL_CACHE:-25%}" "${REAL_BATCH:-1,4}" "$out/real/offload_cuda_qwen3_int4.json" --expert-dtypes int4
     echo "real-shape int4 bench offload exit: $?" | tee -a "$out/machine.txt"
 fi
+
+# The host's kernels at this box's thread counts (HOST_KERNELS=0 skips): a CUDA engine's host pool defaults to
+# cores - 2; one expert a call against a layer's 8 in one call (moe8, the cost of the executor's HostGroup).
+if [ "${HOST_KERNELS:-1}" = 1 ]; then
+    host_threads=$(( $(nproc) > 3 ? $(nproc) - 2 : 1 ))
+    timeout "${HOST_TIMEOUT:-150}" $py -m services.cli bench host-kernels --formats "${HOST_FORMATS:-bf16,int4}" \
+        --rows 1,16 --threads "1,$host_threads" --min-seconds 0.1 --cycle-mb 1024 \
+        --json "$out/host_kernels.json" 2>&1 | grep -v "it/s\]\|s/it\]" | tail -3
+    echo "host-kernels exit: $?" | tee -a "$out/machine.txt"
+fi
