@@ -93,6 +93,18 @@ def _online(args: argparse.Namespace) -> int:
     return 0
 
 
+def _itl_target(args: argparse.Namespace) -> int:
+    from services.bench.itl_bench import run_itl_bench
+
+    _require_model(args.model)
+    targets = [None if t == "none" else float(t) for t in args.targets.split(",") if t]
+    if not targets or any(t is not None and t <= 0 for t in targets):
+        raise ValueError(f"--targets: comma-separated milliseconds > 0 or none; got {args.targets!r}")
+    run_itl_bench(args.model, targets, args.json, args.rate, args.duration, args.input_len, args.output_len,
+                  args.serve_args)
+    return 0
+
+
 def _expert_dtypes(text: str) -> tuple[str, ...]:
     dtypes = tuple(d for d in text.split(",") if d)
     if not dtypes or any(d not in EXPERT_DTYPES for d in dtypes):
@@ -266,6 +278,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "sharegpt if ../shared/data/prompts is beside the checkout, else synthetic (the JSON says which)")
     online.add_argument("--json", default="bench/results/online.json")
     online.set_defaults(func=_online)
+
+    itl = kinds.add_parser("itl-target", help="long prompts arriving while others stream, per --itl-target-ms")
+    itl.add_argument("--model", default="models/demo-moe")
+    itl.add_argument("--targets", default="none,250", help="ms per setting, none: no target")
+    itl.add_argument("--rate", type=float, default=0.2, help="requests/s (Poisson)")
+    itl.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per setting")
+    itl.add_argument("--input-len", type=int, default=1500)
+    itl.add_argument("--output-len", type=int, default=64)
+    itl.add_argument("--serve-args", default="", help="more hintserve serve flags, e.g. '--expert-dtype int4'")
+    itl.add_argument("--json", default="bench/results/itl_target.json")
+    itl.set_defaults(func=_itl_target)
 
     hints = kinds.add_parser("hints", help="hint delivery latency engine -> predictor -> engine over Redis")
     hints.add_argument("--redis-url", default="redis://127.0.0.1:6379")

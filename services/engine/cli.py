@@ -62,6 +62,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_default: str | None =
     parser.add_argument("--device", default=None, help="cpu or cuda[:N]")
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--itl-target-ms", type=float, default=None,
+                        help="while streams decode, prefill chunks sized so a step takes about this long "
+                        "(their inter-token latency; default: whole --max-num-batched-tokens chunks)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-mb", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None,

@@ -19,6 +19,9 @@ class EngineConfig:
     device: str = "cpu"
     max_num_seqs: int = 32  # sequences in the running batch at most (the rest wait)
     max_num_batched_tokens: int = 2048  # prompt tokens one step computes at most; longer prompts prefill in chunks
+    # While sequences decode, a step that prefills takes only the prompt tokens that keep it near this many ms
+    # (their next token waits on it; chunk_sizer.py); None: the whole max_num_batched_tokens.
+    itl_target_ms: float | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 4096
     block_size: int = 32  # tokens per KV block: decode gathers whole blocks, and 2 KB runs (16) ran 2.4x slower cold
     kv_cache_mb: int | None = None  # None: enough blocks for max_num_seqs full-length sequences, capped
@@ -71,6 +74,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.itl_target_ms is not None and not 0 < self.itl_target_ms <= 3_600_000:
+            raise ValueError(f"itl_target_ms must be positive (at most an hour), got {self.itl_target_ms}")
         if self.step_watchdog_s is not None and not 0 <= self.step_watchdog_s <= 86400:
             raise ValueError(f"step_watchdog_s must be in [0, 86400], got {self.step_watchdog_s}")
         if self.kv_cache_mb is not None and self.kv_cache_mb < 1:

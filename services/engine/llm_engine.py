@@ -13,6 +13,7 @@ import torch
 from transformers import AutoTokenizer
 
 from services.engine.block_manager import BlockManager
+from services.engine.chunk_sizer import ChunkSizer
 from services.engine.config import EngineConfig
 from services.engine.cpu_threads import apply_threads
 from services.engine.cuda_graphs import graphs_supported
@@ -92,7 +93,9 @@ class LLMEngine:
         self.eos_ids = tuple(sorted(eos))
         self.block_manager = BlockManager(self._num_kv_blocks(loaded.dtype.itemsize), config.block_size,
                                           config.enable_prefix_caching)
-        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager)
+        sizer = None if config.itl_target_ms is None else ChunkSizer(config.itl_target_ms / 1e3,
+                                                                    config.max_num_batched_tokens)
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager, sizer)
         graphs = not config.enforce_eager and graphs_supported(loaded.model)
         self.runner = ModelRunner(loaded.model, self.block_manager, self.eos_ids, config.seed, config.device, graphs)
         if graphs:
@@ -194,8 +197,11 @@ class LLMEngine:
         self.counters[f"{kind}_steps_total"] += 1
         self.counters[f"{kind}_seconds_total"] += elapsed
         if is_prefill:  # prompt tokens; the running sequences' rows it carried counted apart (decode rates stay pure)
-            self.counters["prefill_tokens_total"] += sum(s.num_scheduled_tokens for s in seqs[num_decodes:])
+            prompt_tokens = sum(s.num_scheduled_tokens for s in seqs[num_decodes:])
+            self.counters["prefill_tokens_total"] += prompt_tokens
             self.counters["prefill_step_decode_tokens_total"] += num_decodes
+            if self.scheduler.chunk_sizer is not None:
+                self.scheduler.chunk_sizer.observe(prompt_tokens, elapsed)
         else:
             self.counters["decode_tokens_total"] += len(seqs)
         outputs = [self._fail(seq, message) for seq, message in failed]

@@ -7,7 +7,8 @@ running sequences once its last chunk samples its first token.
 Mixed steps: a step that prefills also carries each running sequence's next token, as a one-token chunk
 after its cached context (vLLM's chunked prefill does the same). So a long prompt delays the others' next
 token by one chunk's step, not by its whole prefill, and the weights (experts: from host memory or over
-the link) are read once for both. A step with no prompt to start is a plain decode step.
+the link) are read once for both. A step with no prompt to start is a plain decode step. With a chunk sizer
+(--itl-target-ms, chunk_sizer.py) a mixed step's prompt tokens are sized so the step takes about the target.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections import deque
 from typing import NamedTuple
 
 from services.engine.block_manager import BlockManager
+from services.engine.chunk_sizer import ChunkSizer
 from services.engine.sequence import Sequence, SequenceStatus
 
 
@@ -28,10 +30,12 @@ class Batch(NamedTuple):
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_manager: BlockManager) -> None:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_manager: BlockManager,
+                 chunk_sizer: ChunkSizer | None = None) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_manager = block_manager
+        self.chunk_sizer = chunk_sizer
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
@@ -48,7 +52,8 @@ class Scheduler:
         budget admits (module docstring). Each sequence's num_scheduled_tokens says how many of its uncached
         tokens the step computes: one for a running sequence."""
         decodes = self._schedule_decode()
-        prefills = self._schedule_prefill()
+        sizer = self.chunk_sizer
+        prefills = self._schedule_prefill(sizer.budget() if sizer and decodes else self.max_num_batched_tokens)
         if not prefills:
             return Batch(decodes, False)
         for seq in decodes:
@@ -56,9 +61,8 @@ class Scheduler:
         self.running.extend(s for s in prefills if not self.is_partial(s))
         return Batch(decodes + prefills, True, len(decodes))
 
-    def _schedule_prefill(self) -> list[Sequence]:
+    def _schedule_prefill(self, budget: int) -> list[Sequence]:
         scheduled: list[Sequence] = []
-        budget = self.max_num_batched_tokens
         while self.waiting and budget > 0 and len(self.running) + len(scheduled) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:  # a new (or preempted) sequence: blocks for its whole prompt up front
