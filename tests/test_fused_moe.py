@@ -114,3 +114,15 @@ def test_a_large_fp32_expert_runs_on_the_kernels_pool(monkeypatch, rows: int) ->
 
     monkeypatch.setattr(cpu_kernels, "expert_rows", single_threaded)
     torch.testing.assert_close(moe.expert_forward(x, w), moe.swiglu(x, w.gate_up, w.down), rtol=1e-4, atol=1e-4)
+
+
+def test_a_torch_without_grouped_mm_takes_the_per_expert_path(monkeypatch) -> None:
+    """torch>=2.4 admits releases before _grouped_mm (2.8): the check says no instead of raising at load."""
+    from services.engine.models import fused_moe
+
+    monkeypatch.delattr(torch, "_grouped_mm", raising=False)
+    fused_moe.grouped_mm_supported.cache_clear()
+    try:
+        assert not fused_moe.grouped_mm_supported("cpu", torch.float32)
+    finally:
+        fused_moe.grouped_mm_supported.cache_clear()

@@ -130,3 +130,22 @@ def test_bad_snapshot_dir(where: str, tmp_path: Path, capfd: pytest.CaptureFixtu
             "--snapshot-dir", str(path)]
     assert cli.main(argv) == 2
     _one_line(capfd, "--snapshot-dir", str(path))
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_quantized_experts_a_torch_cannot_run_are_refused_at_start_up(dtype: str, monkeypatch) -> None:
+    """On CUDA an older torch lacks the int8 kernel (before 2.9) or packs int4 otherwise (before 2.5): the
+    check runs one tiny product through the engine's path and says so, not the first request. Here on the
+    CPU's path, with the product made to fail as such a torch's does."""
+    from services.engine import startup_checks
+    from services.engine.quant import kernels
+
+    startup_checks.check_expert_kernels("cpu", dtype, 64)  # this torch runs it
+    startup_checks.check_expert_kernels("cpu", "bf16", 64)  # nothing to check
+
+    def missing(*_: object) -> None:
+        raise NotImplementedError("Could not run 'aten::_weight_int8pack_mm' with arguments from the 'CUDA' backend")
+
+    monkeypatch.setattr(kernels, "packed_linear", missing)
+    with pytest.raises(ValueError, match=f"--expert-dtype {dtype} on cpu: torch .* cannot run it .*torch >= 2.9"):
+        startup_checks.check_expert_kernels("cpu", dtype, 64)

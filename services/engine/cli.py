@@ -110,11 +110,13 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     names = [f.name for f in dataclasses.fields(EngineConfig)]
     config = EngineConfig.from_env(**{n: getattr(args, n) for n in names if getattr(args, n, None) is not None})
     config.validate()  # raises FileNotFoundError / ValueError with a one-line message
-    from services.engine.startup_checks import check_kernel_cache, check_model_dir
+    from services.engine.startup_checks import check_expert_kernels, check_kernel_cache, check_model_dir
 
     check_model_dir(config.model)  # before the loader (and its process) can fail with a traceback
     if config.device == "cpu":
         check_kernel_cache()
+    else:
+        check_expert_kernels(config.device, config.expert_dtype, config.expert_group_size)
     return config
 
 

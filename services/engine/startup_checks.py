@@ -122,6 +122,25 @@ def check_kernel_cache() -> None:
         check_writable_dir(path, "HINTSERVE_KERNEL_CACHE")
 
 
+def check_expert_kernels(device: str, expert_dtype: str, group_size: int) -> None:
+    """Quantized experts on `device` run one tiny product through the engine's own path at start-up: torch has
+    a CUDA int8 weight-only kernel only from 2.9, and its int4 packing took another layout before 2.5, so an
+    older torch (which torch>=2.4 admits) would fail the first request instead."""
+    if expert_dtype not in ("int8", "int4"):
+        return
+    import torch
+
+    from services.engine.quant.kernels import packed_linear
+    from services.engine.quant.packed import QuantScheme, pack_matrix
+
+    try:
+        m = pack_matrix(torch.ones(64, 256) / 16, QuantScheme(int(expert_dtype[3:]), group_size), device)
+        packed_linear(torch.ones(2, 256, device=device), m)
+    except (RuntimeError, NotImplementedError, AttributeError) as exc:
+        raise ValueError(f"--expert-dtype {expert_dtype} on {device}: torch {torch.__version__} cannot run it "
+                         f"({_reason(exc)}); use torch >= 2.9 or --expert-dtype bf16") from None
+
+
 def _reason(exc: BaseException) -> str:
     """One line: the OS's reason for an OSError, else the exception's first line."""
     if isinstance(exc, OSError):

@@ -98,6 +98,8 @@ def test_native_link_is_token_identical(cuda_reference, policy: str) -> None:
         if POLICIES[policy].placement != "host":  # static placements copy their set once, outside the counters
             assert stats.bytes_demand + stats.bytes_prefetch > 0
         assert engine.model.experts.cache.storage.is_cuda
-        assert all(buf.is_pinned() for buf in engine.model.experts.store.buffers.values())
+        # Pinned only where the link copies into slots; a policy that keeps none (cpu-experts) reads in place.
+        if engine.model.experts.cache.slots:
+            assert all(buf.is_pinned() for buf in engine.model.experts.store.buffers.values())
     finally:
         engine.close()

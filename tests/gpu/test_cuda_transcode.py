@@ -44,6 +44,7 @@ def test_a_transcoded_expert_is_the_device_packed_one(bits: int, group: int) -> 
     engine = TransferEngine(link, OffloadStats(1))
     try:
         copied = torch.zeros_like(want)
+        torch.cuda.synchronize()  # the zeros (default stream) before the repack writes (copy stream)
         chunks, repacks = transcoder.chunks(copied, source)
         transfer = Transfer((0, 0), chunks, link.new_event(), True, 1.0, (0, 0), repacks=repacks)
         engine.submit(transfer)

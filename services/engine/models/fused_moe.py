@@ -84,7 +84,10 @@ def stackable(experts: list[StoredWeights]) -> TypeGuard[list[ExpertWeights]]:
 
 @functools.cache
 def grouped_mm_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether `torch._grouped_mm` runs here (CPU: every float dtype; CUDA: bf16 on sm90+ only)."""
+    """Whether `torch._grouped_mm` runs here (CPU: every float dtype; CUDA: bf16 on sm90+ only; torch 2.8 on:
+    an older torch, which `torch>=2.4` admits, has no such op and the experts run one matmul pair each)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
     x = torch.zeros(4, 16, dtype=dtype, device=device)
     w = torch.zeros(2, 16, 16, dtype=dtype, device=device)
     try:

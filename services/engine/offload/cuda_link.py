@@ -59,11 +59,21 @@ class CudaLink(Link):
             dst.copy_(src, non_blocking=True)
             if then is not None:  # on the copy stream after the copy: the chunk's event covers it
                 then()
-            done = torch.cuda.Event()
+            # Blocking: the worker's throttle below sleeps on it instead of spinning on a core the host's
+            # kernels may need (a chunk of a large expert copies for milliseconds).
+            done = torch.cuda.Event(blocking=True)
             done.record(self.copy_stream)
         self._chunk_events.append(done)
         if len(self._chunk_events) > _MAX_CHUNKS_IN_FLIGHT:
             self._chunk_events.pop(0).synchronize()  # worker thread only: throttles how far we enqueue ahead
+
+    def bind_thread(self) -> None:
+        # Without it the worker's current device is 0: leaving torch.cuda.stream(copy_stream) restores that
+        # device's stream, which makes a context on GPU 0 for an engine on cuda:1.
+        torch.cuda.set_device(self.device_index)
+
+    def drained(self) -> None:
+        self.copy_stream.synchronize()
 
     def new_event(self) -> ReadyEvent:
         return CudaEvent(self.device_index)

@@ -98,6 +98,12 @@ class ThreadEvent(ReadyEvent):
 class Link(ABC):
     name: str
 
+    def bind_thread(self) -> None:  # noqa: B027 - only a device link has a device to bind
+        """Called first on the transfer worker thread: a CUDA link makes its device the thread's current one."""
+
+    def drained(self) -> None:  # noqa: B027 - an emulated copy is done when copy() returns
+        """Until every copy issued has landed (shutdown: the host memory they read may then be freed)."""
+
     def wait_free(self) -> None:  # noqa: B027 - a real copy engine queues; nothing to wait for
         """Blocks the transfer worker until the link can start another chunk (an emulated link is busy until
         its last chunk would have landed), so the worker picks the next chunk when a copy engine would."""

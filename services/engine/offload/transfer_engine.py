@@ -105,6 +105,7 @@ class TransferEngine:
             self._stopped = True
             self._cond.notify()
         self._thread.join()
+        self.link.drained()  # copies still in flight read the host store, which may be freed next
 
     def _push(self, t: Transfer) -> None:
         heapq.heappush(self._heap, (0 if t.demand else 1, -t.priority, next(self._order), t.version, t))
@@ -117,6 +118,7 @@ class TransferEngine:
         return None
 
     def _run(self) -> None:
+        self.link.bind_thread()
         precise_sleeps()  # an emulated link sleeps in wait_free until its last chunk would have landed
         while True:
             self.link.wait_free()
