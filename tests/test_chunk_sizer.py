@@ -107,3 +107,10 @@ def test_bench_itl_target_refuses_bad_targets(tiny_mixtral_dir: str, targets: st
 
     assert main(["bench", "itl-target", "--model", tiny_mixtral_dir, "--targets", targets,
                  "--json", str(tmp_path / "x.json")]) == 2
+
+
+def test_a_target_is_refused_with_offloaded_experts(tiny_mixtral_dir: str) -> None:
+    """Each chunk of a prefill moves nearly every offloaded expert again: small chunks would cost the prompt
+    a link's worth a step for a step barely shorter."""
+    with pytest.raises(ValueError, match="resident experts; with --offload-policy lru"):
+        EngineConfig(model=tiny_mixtral_dir, itl_target_ms=250.0, offload_policy="lru").validate()

@@ -76,6 +76,11 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.itl_target_ms is not None and not 0 < self.itl_target_ms <= 3_600_000:
             raise ValueError(f"itl_target_ms must be positive (at most an hour), got {self.itl_target_ms}")
+        if self.itl_target_ms is not None and self.offload_policy != "resident":
+            # A prefill step of any size moves nearly every offloaded expert (over the link or through the
+            # host): smaller chunks barely shorten its step and multiply the prompt's steps.
+            raise ValueError("--itl-target-ms sizes chunks for resident experts; with --offload-policy "
+                             f"{self.offload_policy} keep whole --max-num-batched-tokens chunks")
         if self.step_watchdog_s is not None and not 0 <= self.step_watchdog_s <= 86400:
             raise ValueError(f"step_watchdog_s must be in [0, 86400], got {self.step_watchdog_s}")
         if self.kv_cache_mb is not None and self.kv_cache_mb < 1:
