@@ -12,22 +12,11 @@ from __future__ import annotations
 import asyncio
 import os
 import shlex
-import subprocess
-import sys
 
 from tqdm import tqdm
 
-from services.bench.servers import free_port, wait_ready
+from services.bench.servers import hintserve_server
 from services.common.report import bar_plot, markdown_table, run_header, write_json, write_markdown
-
-
-def _serve(model: str, target_ms: float | None, port: int, serve_args: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--model", model, "--port", str(port),
-           *shlex.split(serve_args)]
-    if target_ms is not None:
-        cmd += ["--itl-target-ms", f"{target_ms:g}"]
-    env = {**os.environ, "HINTSERVE_API_KEYS": ""}
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
 
 
 def run_itl_bench(model: str, targets: list[float | None], json_path: str, rate: float = 0.2,
@@ -38,18 +27,12 @@ def run_itl_bench(model: str, targets: list[float | None], json_path: str, rate:
     runs: dict[str, dict] = {}
     for target in tqdm(targets, desc="bench itl-target", unit="setting"):
         label = "none" if target is None else f"{target:g} ms"
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        proc = _serve(model, target, port, serve_args)
-        try:
-            wait_ready(f"{url}/ready", proc, timeout=300.0)
+        flags = shlex.split(serve_args) + ([] if target is None else ["--itl-target-ms", f"{target:g}"])
+        with hintserve_server(model, flags, timeout=300.0) as url:
             cfg = ReplayConfig(url=url, model=os.path.basename(os.path.normpath(model)), workload="poisson",
                                rate=rate, duration=duration, input_len=input_len, output_len=output_len,
                                prompts="synthetic", tokenizer=model, seed=0, label=label)
             runs[label] = asyncio.run(arun_replay(cfg))
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
     rows = [
         {"itl_target": label, "completed": r["completed"], "failed": r["failed"],
          "output_throughput": r["output_throughput"], "median_ttft_ms": r["median_ttft_ms"],

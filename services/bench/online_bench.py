@@ -10,25 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
 
 from tqdm import tqdm
 
-from services.bench.servers import free_port, wait_ready
+from services.bench.servers import hintserve_server
 from services.common.report import bar_plot, markdown_table, run_header, write_json, write_markdown
 
 _TRACE_POLICIES = ("oracle", "belady")
 
 
-def _serve(model: str, policy: str, port: int, cache: float, ratio: float) -> subprocess.Popen:
+def _flags(policy: str, cache: float, ratio: float) -> list[str]:
     name, _, eviction = policy.partition("@")
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--model", model, "--port", str(port),
-           "--offload-policy", name, "--expert-cache-fraction", str(cache), "--link-ratio", str(ratio)]
-    if eviction:
-        cmd += ["--eviction", eviction]
-    env = {**os.environ, "HINTSERVE_API_KEYS": ""}
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    flags = ["--offload-policy", name, "--expert-cache-fraction", str(cache), "--link-ratio", str(ratio)]
+    return flags + ["--eviction", eviction] if eviction else flags
 
 
 def run_online_bench(
@@ -49,18 +43,11 @@ def run_online_bench(
     slos = slos or {"ttft": 300.0, "tpot": 50.0}
     runs: dict[str, dict] = {}
     for policy in tqdm([p for p in policies if p not in _TRACE_POLICIES], desc="bench online", unit="policy"):
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        proc = _serve(model, policy, port, cache, ratio)
-        try:
-            wait_ready(f"{url}/ready", proc, timeout=180.0)
+        with hintserve_server(model, _flags(policy, cache, ratio), timeout=180.0) as url:
             cfg = ReplayConfig(url=url, model=os.path.basename(os.path.normpath(model)), trace="conv",
                                speedup=speedup, duration=duration, max_context=max_context, goodput=dict(slos),
                                tokenizer=model, seed=0, label=policy, prompts=prompts)
             runs[policy] = asyncio.run(arun_replay(cfg))
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
     rows = [
         {"policy": p, "completed": r["completed"], "failed": r["failed"], "request_goodput": r["request_goodput"],
          "request_throughput": r["request_throughput"], "output_throughput": r["output_throughput"],

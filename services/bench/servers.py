@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 import subprocess
+import sys
 import time
+from collections.abc import Iterator, Sequence
 
 import httpx
 
@@ -29,3 +33,20 @@ def wait_ready(ready_url: str, proc: subprocess.Popen, timeout: float, log_path:
             pass
         time.sleep(0.2)  # polling a child process's readiness, not synchronising threads
     raise TimeoutError(f"server at {ready_url} not ready after {timeout:.0f} s{see}")
+
+
+@contextlib.contextmanager
+def hintserve_server(model: str, flags: Sequence[str], timeout: float) -> Iterator[str]:
+    """`hintserve serve --model model *flags` on a free loopback port, without API keys: its URL once ready;
+    stopped on leaving."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "services.cli", "serve", "--model", model, "--port", str(port), *flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "HINTSERVE_API_KEYS": ""})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(f"{url}/ready", proc, timeout=timeout)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
