@@ -307,11 +307,11 @@ def test_a_transfer_counts_what_is_left_of_it_in_bytes() -> None:
     reached, release = threading.Event(), threading.Event()
 
     class GatedLink(EmulatedLink):
-        def copy(self, dst, src, *, issued_at: float = 0.0, then=None) -> None:
+        def copy(self, dst, src, fence=None, *, issued_at: float = 0.0, then=None) -> None:
             if src.numel() == 1000:  # the second chunk: hold it until the test has looked
                 reached.set()
                 release.wait()
-            super().copy(dst, src, issued_at=issued_at, then=then)
+            super().copy(dst, src, fence, issued_at=issued_at, then=then)
 
     link = GatedLink(1e9)
     engine = TransferEngine(link, OffloadStats(1))

@@ -134,10 +134,8 @@ class TransferEngine:
                 then = transfer.repacks[transfer.next_chunk] if transfer.repacks is not None else None
                 demand = transfer.demand
             # The fence guards the slot's old contents: the first chunk waits for it, the others follow that one.
-            if transfer.fence is not None and transfer.next_chunk == 0:
-                self.link.copy(dst, src, transfer.fence, issued_at=transfer.issued_at, then=then)
-            else:
-                self.link.copy(dst, src, issued_at=transfer.issued_at, then=then)
+            fence = transfer.fence if transfer.next_chunk == 0 else None
+            self.link.copy(dst, src, fence, issued_at=transfer.issued_at, then=then)
             nbytes = src.numel() * src.element_size()
             if demand:
                 self.stats.bytes_demand += nbytes
