@@ -883,20 +883,13 @@ INLINE void q8_dots(const uint8_t *w, const int8_t *x, int64_t k0, int64_t k1, _
     *hi = _mm256_add_epi32(h0, h1);
 }
 
-#define Q8_PREP(w, k0, k1, prep) ((void)(prep))
-#define Q8_DOTS(w, prep, x, k0, k1, lo, hi) q8_dots(w, x, k0, k1, lo, hi)
 #define Q8_SIGNED 0 /* dot products of w + 128: the correction applies */
 #else
 /* Without VNNI the multiply is vpmaddubsw: unsigned bytes times signed ones, pairs added into an i16 (which
  * saturates), then vpmaddwd by ones sums pairs into i32.
  * int8: the weights are w + 128 (up to 255), and 255 * 127 twice overflows an i16. Made signed again (XOR
  * 0x80) the sign moves onto the activations (vpsignb) and |w| <= 127 is the unsigned side: a pair is at most
- * 2 * 127 * 127 = 32258, exact. The dot products are of w itself, so the +128 correction does not apply.
- * A block's |w| and w are made once, into `prep` (L1), for every activation row after the first; one row
- * makes them inline. The loop before this one widened the weights to i16 (vpmovzxbw + vpmaddwd) per row: on
- * a Zen 3 guest, one thread, a 1536 x 256 matrix in cache, best of runs, 16 rows took 179 us against 146 now
- * (one row 17.8 against 16.0). int4 (q4_dots, below) keeps cutting its nibbles per row: made once per group
- * into L1, or summed four steps in i16 before each vpmaddwd, it ran 10-20% slower at 16 rows there. */
+ * 2 * 127 * 127 = 32258, exact. The dot products are of w itself, so the +128 correction does not apply. */
 INLINE void q8_vecs(const uint8_t *w, int64_t k, __m256i *v) { /* |w| and w of rows 0-7, then 8-15 */
     const __m256i flip = _mm256_set1_epi8((char)0x80);
     __m256i s0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + k * TILE)), flip);
@@ -907,31 +900,18 @@ INLINE void q8_vecs(const uint8_t *w, int64_t k, __m256i *v) { /* |w| and w of r
     v[3] = s1;
 }
 
-INLINE void q8_prep(const uint8_t *w, int64_t k0, int64_t k1, __m256i *prep) {
-    for (int64_t k = k0; k < k1; k += 4)
-        q8_vecs(w, k, prep + (k - k0));
-}
-
 INLINE __m256i q8_pairs(__m256i mag, __m256i sgn, __m256i x) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(x, sgn)), _mm256_set1_epi16(1));
 }
 
 /* One activation row's integer dot products with a tile's rows over inputs [k0, k1), rows 0-7 in *lo and
- * 8-15 in *hi (of w, not w + 128); `prep`: q8_prep's vectors of [k0, k1), or NULL to make them here. */
-INLINE void q8_dots(const uint8_t *w, const __m256i *prep, const int8_t *x, int64_t k0, int64_t k1, __m256i *lo,
-                    __m256i *hi) {
+ * 8-15 in *hi (of w, not w + 128). */
+INLINE void q8_dots(const uint8_t *w, const int8_t *x, int64_t k0, int64_t k1, __m256i *lo, __m256i *hi) {
     __m256i l0 = _mm256_setzero_si256(), h0 = l0, l1 = l0, h1 = l0; /* even and odd steps: two chains each */
     for (int64_t k = k0; k < k1; k += 8) {
         __m256i e[4], o[4];
-        if (prep) {
-            for (int i = 0; i < 4; i++) {
-                e[i] = prep[k - k0 + i];
-                o[i] = prep[k - k0 + 4 + i];
-            }
-        } else {
-            q8_vecs(w, k, e);
-            q8_vecs(w, k + 4, o);
-        }
+        q8_vecs(w, k, e);
+        q8_vecs(w, k + 4, o);
         __m256i xe = bcast4(x + k), xo = bcast4(x + k + 4);
         l0 = _mm256_add_epi32(l0, q8_pairs(e[0], e[1], xe));
         h0 = _mm256_add_epi32(h0, q8_pairs(e[2], e[3], xe));
@@ -942,12 +922,43 @@ INLINE void q8_dots(const uint8_t *w, const __m256i *prep, const int8_t *x, int6
     *hi = _mm256_add_epi32(h0, h1);
 }
 
-#define Q8_PREP(w, k0, k1, prep) q8_prep(w, k0, k1, prep)
-#define Q8_DOTS(w, prep, x, k0, k1, lo, hi) q8_dots(w, prep, x, k0, k1, lo, hi)
+/* Several activation rows' dot products with one half of a tile (rows 0-7, or 8-15) over the block at k0: each 4
+ * inputs' |w| and w are made once and serve up to Q8_ROW_GROUP rows from registers, a row's sums in one register
+ * (at 8 rows GCC spilled half the sums to the stack: a store-to-load chain a step). This replaced making a
+ * block's |w| and w once into L1 and reading them back for each row, which was bound by those loads and the
+ * vector ops per row: on a Zen 3 guest (AVX2 only) a standalone loop over 16 rows did 15 multiply-adds a cycle
+ * that way against 20 this way (tiles in cache), 10 against 18 from memory. Per expert (Qwen3 shape, one process
+ * alternating builds, best of 6-8 rounds, the same bits): 4 rows 1.24-1.36x as fast on one thread, 16 rows
+ * 1.16-1.19x, 64 rows 1.19-1.28x; on two threads 4 rows 1.24x, 16 and 64 rows within the guest's noise
+ * (0.93-1.07x). */
+#define Q8_ROWS 1
+#define Q8_ROW_GROUP 4
+INLINE void q8_rows_dots(const uint8_t *w, const int8_t *const *x, int mm, int64_t k0, int half, __m256i *dots) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    for (int r0 = 0; r0 < mm; r0 += Q8_ROW_GROUP) {
+        int rn = mm - r0 < Q8_ROW_GROUP ? mm - r0 : Q8_ROW_GROUP;
+        __m256i acc[Q8_ROW_GROUP];
+        for (int r = 0; r < rn; r++)
+            acc[r] = _mm256_setzero_si256();
+        for (int64_t k = k0; k < k0 + QB; k += 4) {
+            __m256i s = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + k * TILE + 32 * half)), flip);
+            __m256i mag = _mm256_abs_epi8(s);
+            for (int r = 0; r < rn; r++)
+                acc[r] = _mm256_add_epi32(acc[r], q8_pairs(mag, s, bcast4(x[r0 + r] + k)));
+        }
+        for (int r = 0; r < rn; r++)
+            dots[r0 + r] = acc[r];
+    }
+}
+
 #define Q8_SIGNED 1
 #endif
 
-/* int4: the same over one group; bytes hold inputs t (low nibble) and 4 + t (high) of each 8. */
+/* int4: the same over one group; bytes hold inputs t (low nibble) and 4 + t (high) of each 8. Several rows keep
+ * cutting the nibbles row by row: cut once and shared by 4-8 rows from registers, as int8's q8_rows_dots, a
+ * standalone loop on a Zen 3 guest (16-24 rows, tiles in cache) did 18-22 multiply-adds a cycle against 22-28
+ * this way, two broadcasts a row each step costing more than the cuts saved; made once per group into L1, or
+ * summed four steps in i16 before each vpmaddwd, it had run 10-20% slower at 16 rows there. */
 INLINE void q4_dots(const uint8_t *w, const int8_t *x, int64_t k0, int64_t k1, __m256i *lo, __m256i *hi) {
     const __m256i low = _mm256_set1_epi8(0x0f);
     __m256i l = _mm256_setzero_si256(), h = l;
@@ -1006,19 +1017,31 @@ INLINE void q8_tile(const uint8_t *w, const float *ws, const acts *a, const int6
                     float *y, int64_t ldy, const float *bias, int valid) {
     int64_t blocks = K / QB;
     __m256 lo[MB], hi[MB];
-    __m256i prep[QB];
-    for (int r = 0; r < mm; r++)
+    const int8_t *x[MB];
+    for (int r = 0; r < mm; r++) {
         lo[r] = hi[r] = _mm256_setzero_ps();
+        x[r] = a->q + rows[r] * K;
+    }
     for (int64_t i = 0; i < blocks; i++) {
         int64_t b = mm == 1 ? stream_order(i, blocks) : i;
         if (SW_PREFETCH || mm > 1)
             for (int64_t line = 0; line < QB * TILE; line += 64) /* the block's 1 KB, 8 KB on */
                 _mm_prefetch((const char *)(w + b * QB * TILE) + 2 * PREFETCH_BYTES + line, PREFETCH_HINT_INT);
-        if (mm > 1)
-            Q8_PREP(w, b * QB, (b + 1) * QB, prep);
+#if defined(Q8_ROWS)
+        if (mm > 1) { /* the same sums and the same float operations as one row at a time, in the same order */
+            __m256i dots[MB];
+            q8_rows_dots(w, x, mm, b * QB, 0, dots);
+            for (int r = 0; r < mm; r++)
+                lo[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), _mm256_set1_ps(a->d[rows[r] * blocks + b]), lo[r]);
+            q8_rows_dots(w, x, mm, b * QB, 1, dots);
+            for (int r = 0; r < mm; r++)
+                hi[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), _mm256_set1_ps(a->d[rows[r] * blocks + b]), hi[r]);
+            continue;
+        }
+#endif
         for (int r = 0; r < mm; r++) {
             __m256i dl, dh;
-            Q8_DOTS(w, mm > 1 ? prep : NULL, a->q + rows[r] * K, b * QB, (b + 1) * QB, &dl, &dh);
+            q8_dots(w, x[r], b * QB, (b + 1) * QB, &dl, &dh);
             __m256 d = _mm256_set1_ps(a->d[rows[r] * blocks + b]);
             lo[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dl), d, lo[r]);
             hi[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dh), d, hi[r]);
