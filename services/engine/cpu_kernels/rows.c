@@ -960,7 +960,8 @@ INLINE void q8_rows_dots(const uint8_t *w, const int8_t *const *x, int mm, int64
 /* int4: the same over one group; bytes hold inputs t (low nibble) and 4 + t (high) of each 8. Several rows keep
  * cutting the nibbles row by row: cut once and shared by 4-8 rows from registers, as int8's q8_rows_dots, a
  * standalone loop on a Zen 3 guest (16-24 rows, tiles in cache) did 18-22 multiply-adds a cycle against 22-28
- * this way, two broadcasts a row each step costing more than the cuts saved; made once per group into L1, or
+ * this way, two broadcasts a row each step costing more than the cuts saved (two rows over both halves, one cut
+ * for both: 18-20 against 18-25, within the guest's noise); made once per group into L1, or
  * summed four steps in i16 before each vpmaddwd, it had run 10-20% slower at 16 rows there. */
 INLINE void q4_dots(const uint8_t *w, const int8_t *x, int64_t k0, int64_t k1, __m256i *lo, __m256i *hi) {
     const __m256i low = _mm256_set1_epi8(0x0f);
