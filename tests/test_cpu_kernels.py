@@ -134,24 +134,24 @@ def test_moe_swiglu_matches_the_per_token_sum(tokens: int, top_k: int, hidden: i
 def test_build_falls_back_to_torch_without_a_compiler_or_when_disabled(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("HINTSERVE_KERNEL_CACHE", str(tmp_path))
     try:
-        cpu_kernels.library.cache_clear()
+        cpu_kernels.forget_library()
         monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
         assert cpu_kernels.library() is None
-        cpu_kernels.library.cache_clear()
+        cpu_kernels.forget_library()
         monkeypatch.setenv("CC", "false")  # a compiler that fails: warned, then torch's path
         assert cpu_kernels.library() is None
         monkeypatch.delenv("CC")
-        cpu_kernels.library.cache_clear()
+        cpu_kernels.forget_library()
         monkeypatch.setenv("HINTSERVE_CPU_KERNELS", "0")
         assert cpu_kernels.library() is None and not cpu_kernels.usable(torch.zeros(1))
         monkeypatch.delenv("HINTSERVE_CPU_KERNELS")
-        cpu_kernels.library.cache_clear()
+        cpu_kernels.forget_library()
         assert cpu_kernels.library() is not None
         assert len(list(tmp_path.glob("hintserve_kernels_*.so"))) == 1  # built once into the cache, no temp left
-        cpu_kernels.library.cache_clear()
+        cpu_kernels.forget_library()
         assert cpu_kernels.library() is not None and len(list(tmp_path.iterdir())) == 1  # reused
     finally:
-        cpu_kernels.library.cache_clear()
+        cpu_kernels.forget_library()
 
 
 def test_one_thread_engine_takes_both_kernels_with_the_same_greedy_text(monkeypatch) -> None:

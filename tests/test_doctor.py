@@ -122,11 +122,11 @@ def test_kernels_report_a_missing_compiler(monkeypatch: pytest.MonkeyPatch) -> N
     from services.engine import cpu_kernels
 
     monkeypatch.setenv("CC", "no-such-compiler-here")
-    cpu_kernels.library.cache_clear()
+    cpu_kernels.forget_library()
     try:
         report = machine.native_kernels()
     finally:
-        cpu_kernels.library.cache_clear()
+        cpu_kernels.forget_library()
     assert not report["built"] and "no C compiler" in report["why"]
 
 

@@ -43,10 +43,10 @@ def without_native_kernels(monkeypatch):
     from services.engine import cpu_kernels
 
     monkeypatch.setenv("HINTSERVE_CPU_KERNELS", "0")
-    cpu_kernels.library.cache_clear()
+    cpu_kernels.forget_library()
     yield
     monkeypatch.delenv("HINTSERVE_CPU_KERNELS")
-    cpu_kernels.library.cache_clear()
+    cpu_kernels.forget_library()
 
 
 def test_engine_generates_the_same_tokens_packed_or_not(tiny_mixtral_dir: str, without_native_kernels) -> None:

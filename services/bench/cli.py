@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 
 from services.engine.expert_format import DEFAULT_GROUP_SIZE, EXPERT_DTYPES, GROUP_SIZES
 
@@ -145,6 +146,28 @@ def _vs_vllm(args: argparse.Namespace) -> int:
         raise ValueError("--input-len, --prompts-per-concurrency and --rounds must be >= 1 and --output-len >= 2")
     load = Workload(args.input_len, args.output_len, args.prompts_per_concurrency)
     run_vs_vllm(args.model, args.vllm_python, _numbers(args.concurrency, int), args.json, load, args.rounds)
+    return 0
+
+
+def _kernel_flags(args: argparse.Namespace) -> int:
+    from services.bench.host_kernels import FORMATS, default_threads
+    from services.bench.kernel_flags import KINDS, baseline_flags, run_kernel_flags
+
+    if bool(args.flags) == bool(args.replace_flags):
+        raise ValueError("give --flags (added to this machine's build flags) or --replace-flags, not both")
+    formats, kinds = [f for f in args.formats.split(",") if f], [k for k in args.kinds.split(",") if k]
+    if not formats or any(f not in FORMATS for f in formats):
+        raise ValueError(f"--formats: comma-separated {', '.join(FORMATS)}; got {args.formats!r}")
+    if not kinds or any(k not in KINDS for k in kinds):
+        raise ValueError(f"--kinds: comma-separated {', '.join(KINDS)}; got {args.kinds!r}")
+    if args.rounds < 1 or args.min_seconds <= 0 or (args.cycle_mb is not None and args.cycle_mb <= 0):
+        raise ValueError("--rounds must be >= 1 and --min-seconds and --cycle-mb positive")
+    candidate = shlex.split(args.replace_flags) if args.replace_flags else baseline_flags() + shlex.split(args.flags)
+    threads = _numbers(args.threads, int) if args.threads else default_threads()
+    cycle = int(args.cycle_mb * 1e6) if args.cycle_mb else None
+    result = run_kernel_flags(args.json, candidate, formats, kinds, _numbers(args.rows, int), threads, args.rounds,
+                              args.min_seconds, cycle)
+    print(f"wrote {args.json} ({len(result['results'])} cases)")
     return 0
 
 
@@ -343,6 +366,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                            "not cache)")
     host.add_argument("--json", default="bench/results/host_kernels.json")
     host.set_defaults(func=_host_kernels)
+
+    flags = kinds.add_parser("kernel-flags", help="two builds of the CPU kernels against each other in one process "
+                                                 "(tuning macros, e.g. -DSW_PREFETCH=0)")
+    flags.add_argument("--flags", default="", help="added to this machine's build flags, written with '=': --flags=-DPREFETCH_BYTES=2048")
+    flags.add_argument("--replace-flags", default="", help="the candidate's whole flag list instead")
+    flags.add_argument("--formats", default="int8,int4")
+    flags.add_argument("--kinds", default="expert", help="expert, q_proj, o_proj, lm_head (comma-separated)")
+    flags.add_argument("--rows", default="1,16", help="tokens per call, e.g. 1,16")
+    flags.add_argument("--threads", default=None, help="e.g. 1,2 (default 1 .. cores)")
+    flags.add_argument("--rounds", type=int, default=6, help="rounds per case, alternating which build goes first")
+    flags.add_argument("--min-seconds", type=float, default=0.2, help="timed seconds per case and build a round")
+    flags.add_argument("--cycle-mb", type=float, default=None,
+                       help="weight bytes cycled per pass (default twice the last-level cache per thread)")
+    flags.add_argument("--json", default="bench/results/kernel_flags.json")
+    flags.set_defaults(func=_kernel_flags)
 
     prefill = kinds.add_parser("prefill", help="long prompts in chunks beside a running request; prompts "
                                "sharing a prefix with prefix caching off and on")

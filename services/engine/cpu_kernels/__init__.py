@@ -19,6 +19,7 @@ runs one intra-op thread (`usable`): the pool then has the cores (`cpu_threads.a
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -29,6 +30,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -82,18 +84,40 @@ def _build(compiler: str, flags: list[str]) -> Path:
     return target
 
 
-@functools.cache
+_swapped: ctypes.CDLL | None = None  # `swapped_in`'s build, while one runs
+
+
 def library() -> ctypes.CDLL | None:
     """The built kernels, or None (disabled, no compiler, or the build failed: said once, in a warning)."""
+    return _swapped or _default_library()
+
+
+@functools.cache
+def _default_library() -> ctypes.CDLL | None:
     if os.environ.get("HINTSERVE_CPU_KERNELS", "1") == "0":
         return None
+    flag_sets = (shlex.split(os.environ["HINTSERVE_KERNEL_FLAGS"]),) if os.environ.get("HINTSERVE_KERNEL_FLAGS") \
+        else _FLAG_SETS
+    return build_library(flag_sets)
+
+
+def default_flags() -> list[str]:
+    """The compiler flags `library()` builds with where the compiler knows -march=native."""
+    return list(_FLAG_SETS[0])
+
+
+def forget_library() -> None:
+    """Build again at the next `library()` call (after HINTSERVE_KERNEL_FLAGS or HINTSERVE_CPU_KERNELS changed)."""
+    _default_library.cache_clear()
+
+
+def build_library(flag_sets: Sequence[list[str]]) -> ctypes.CDLL | None:
+    """The kernels built with the first of `flag_sets` that compiles (cached per flags), or None (said once)."""
     compiler = shutil.which(os.environ.get("CC") or "cc")
     if compiler is None:
         log.warning("no C compiler found ($CC or cc): native CPU kernels off, torch's path runs instead")
         return None
     error = ""
-    flag_sets = (shlex.split(os.environ["HINTSERVE_KERNEL_FLAGS"]),) if os.environ.get("HINTSERVE_KERNEL_FLAGS") \
-        else _FLAG_SETS
     for flags in flag_sets:
         try:
             lib = ctypes.CDLL(str(_build(compiler, flags)))
@@ -146,6 +170,18 @@ def library() -> ctypes.CDLL | None:
     lib.rope_write_kv_f32.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64,
                                       _ptr, _ptr, _f32]
     return lib
+
+
+@contextlib.contextmanager
+def swapped_in(lib: ctypes.CDLL) -> Iterator[None]:
+    """Every caller of `library()` gets `lib` until the block ends: to time two builds of the kernels against
+    each other in one process (`hintserve bench kernel-flags`). Not for serving: one build per process."""
+    global _swapped
+    before, _swapped = _swapped, lib
+    try:
+        yield
+    finally:
+        _swapped = before
 
 
 def loaded() -> ctypes.CDLL:
