@@ -101,7 +101,9 @@
  * one row but 25-50% slower at 16 rows (so its tiles keep it for two rows and more); fp32 10-20% slower
  * (keeps its own, above). int4 came out even on one guest and, on a later one, 5-16% faster without in 8 of
  * 10 matrix x thread cases (four rounds; prefetching 8-64 KB ahead, or a group's lines at once, into L1 or
- * L2, was slower still in a standalone loop). -DSW_PREFETCH=1 there brings them back. */
+ * L2, was slower still in a standalone loop). -DSW_PREFETCH=1 there brings them back. A Zen 3 guest (AVX2
+ * only) keeps them: without, its one-row int8, int4 and bf16 experts and LM heads ran 0.88-1.07 times as fast
+ * (`bench kernel-flags`, six rounds, one and two threads; bench/results/kernel_flags_zen3_sw_prefetch.json). */
 #if AMD_AVX512
 #define SW_PREFETCH_DEFAULT 0
 #else
