@@ -90,7 +90,10 @@ HITS: dict[tuple[str, bool], list[int]] = {}
 
 def test_the_resident_view_lapses_when_a_slot_is_reassigned(demo_model_dir, monkeypatch) -> None:
     """Freeing one slot ends the view at once: the model rebuilds its decode layers without it, the provider
-    fetches the expert again on its next use, and the tokens stay the resident engine's."""
+    fetches the expert again on its next use, and the tokens stay the resident engine's. The logits agree to
+    rounding, not bit for bit: whether a step finds the freed layer's experts landed (one call over the slots)
+    or still missing (added into the batch's sum, in another order) depends on when the link's copies land, and
+    the runs differed by up to 5e-6 (1 in 10-20 on a 2-core guest)."""
     prompts = [list(range(5, 40))]
     engine = LLMEngine(EngineConfig(model=demo_model_dir, expert_dtype="int4", offload_policy="lru",
                                     expert_cache_fraction=1.0, link_ratio=30.0))
@@ -113,7 +116,10 @@ def test_the_resident_view_lapses_when_a_slot_is_reassigned(demo_model_dir, monk
         assert experts.resident.holding and experts.native_epoch == epoch + 2
     finally:
         engine.close()
-    assert all(torch.equal(first[key], again[key]) for key in first)
+    assert first.keys() == again.keys()
+    for key in first:
+        assert int(first[key].argmax()) == int(again[key].argmax())
+        torch.testing.assert_close(again[key], first[key], rtol=0.0, atol=1e-4)
 
 
 def test_left_out_experts_add_nothing_and_slots_are_read_through_matrix_of() -> None:
