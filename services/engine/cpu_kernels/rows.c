@@ -895,14 +895,16 @@ INLINE void q8_dots(const uint8_t *w, const int8_t *x, int64_t k0, int64_t k1, _
  * int8: the weights are w + 128 (up to 255), and 255 * 127 twice overflows an i16. Made signed again (XOR
  * 0x80) the sign moves onto the activations (vpsignb) and |w| <= 127 is the unsigned side: a pair is at most
  * 2 * 127 * 127 = 32258, exact. The dot products are of w itself, so the +128 correction does not apply. */
+INLINE __m256i q8_signed(const uint8_t *w, int64_t k, int half) { /* w of rows 0-7 (half 0) or 8-15 */
+    return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + k * TILE + 32 * half)),
+                            _mm256_set1_epi8((char)0x80));
+}
+
 INLINE void q8_vecs(const uint8_t *w, int64_t k, __m256i *v) { /* |w| and w of rows 0-7, then 8-15 */
-    const __m256i flip = _mm256_set1_epi8((char)0x80);
-    __m256i s0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + k * TILE)), flip);
-    __m256i s1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + k * TILE + 32)), flip);
-    v[0] = _mm256_abs_epi8(s0);
-    v[1] = s0;
-    v[2] = _mm256_abs_epi8(s1);
-    v[3] = s1;
+    for (int half = 0; half < 2; half++) {
+        v[2 * half + 1] = q8_signed(w, k, half);
+        v[2 * half] = _mm256_abs_epi8(v[2 * half + 1]);
+    }
 }
 
 INLINE __m256i q8_pairs(__m256i mag, __m256i sgn, __m256i x) {
@@ -939,15 +941,13 @@ INLINE void q8_dots(const uint8_t *w, const int8_t *x, int64_t k0, int64_t k1, _
 #define Q8_ROWS 1
 #define Q8_ROW_GROUP 4
 INLINE void q8_rows_dots(const uint8_t *w, const int8_t *const *x, int mm, int64_t k0, int half, __m256i *dots) {
-    const __m256i flip = _mm256_set1_epi8((char)0x80);
     for (int r0 = 0; r0 < mm; r0 += Q8_ROW_GROUP) {
         int rn = mm - r0 < Q8_ROW_GROUP ? mm - r0 : Q8_ROW_GROUP;
         __m256i acc[Q8_ROW_GROUP];
         for (int r = 0; r < rn; r++)
             acc[r] = _mm256_setzero_si256();
         for (int64_t k = k0; k < k0 + QB; k += 4) {
-            __m256i s = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + k * TILE + 32 * half)), flip);
-            __m256i mag = _mm256_abs_epi8(s);
+            __m256i s = q8_signed(w, k, half), mag = _mm256_abs_epi8(s);
             for (int r = 0; r < rn; r++)
                 acc[r] = _mm256_add_epi32(acc[r], q8_pairs(mag, s, bcast4(x[r0 + r] + k)));
         }
