@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+from collections.abc import Sequence
 
 from services.engine.expert_format import DEFAULT_GROUP_SIZE, EXPERT_DTYPES, GROUP_SIZES
 
@@ -106,6 +107,14 @@ def _itl_target(args: argparse.Namespace) -> int:
     return 0
 
 
+def _choices(text: str, allowed: Sequence[str], flag: str) -> list[str]:
+    """A comma-separated list of some of `allowed`, or a one-line error naming `flag`."""
+    chosen = [c for c in text.split(",") if c]
+    if not chosen or any(c not in allowed for c in chosen):
+        raise ValueError(f"{flag}: comma-separated {', '.join(allowed)}; got {text!r}")
+    return chosen
+
+
 def _expert_dtypes(text: str) -> tuple[str, ...]:
     dtypes = tuple(d for d in text.split(",") if d)
     if not dtypes or any(d not in EXPERT_DTYPES for d in dtypes):
@@ -155,11 +164,7 @@ def _kernel_flags(args: argparse.Namespace) -> int:
 
     if bool(args.flags) == bool(args.replace_flags):
         raise ValueError("give --flags (added to this machine's build flags) or --replace-flags, not both")
-    formats, kinds = [f for f in args.formats.split(",") if f], [k for k in args.kinds.split(",") if k]
-    if not formats or any(f not in FORMATS for f in formats):
-        raise ValueError(f"--formats: comma-separated {', '.join(FORMATS)}; got {args.formats!r}")
-    if not kinds or any(k not in KINDS for k in kinds):
-        raise ValueError(f"--kinds: comma-separated {', '.join(KINDS)}; got {args.kinds!r}")
+    formats, kinds = _choices(args.formats, FORMATS, "--formats"), _choices(args.kinds, KINDS, "--kinds")
     if args.rounds < 1 or args.min_seconds <= 0 or (args.cycle_mb is not None and args.cycle_mb <= 0):
         raise ValueError("--rounds must be >= 1 and --min-seconds and --cycle-mb positive")
     candidate = shlex.split(args.replace_flags) if args.replace_flags else baseline_flags() + shlex.split(args.flags)
@@ -174,9 +179,7 @@ def _kernel_flags(args: argparse.Namespace) -> int:
 def _host_kernels(args: argparse.Namespace) -> int:
     from services.bench.host_kernels import FORMATS, default_threads, run_host_kernels
 
-    formats = [f for f in args.formats.split(",") if f]
-    if not formats or any(f not in FORMATS for f in formats):
-        raise ValueError(f"--formats: comma-separated {', '.join(FORMATS)}; got {args.formats!r}")
+    formats = _choices(args.formats, FORMATS, "--formats")
     if args.min_seconds <= 0 or (args.cycle_mb is not None and args.cycle_mb <= 0):
         raise ValueError("--min-seconds and --cycle-mb must be positive")
     threads = _numbers(args.threads, int) if args.threads else default_threads()
@@ -207,9 +210,7 @@ def _vs_llamacpp(args: argparse.Namespace) -> int:
     from services.bench.vs_llamacpp import FORMATS, Workload, run_vs_llamacpp
 
     _require_model(args.model)
-    formats = [f for f in args.formats.split(",") if f]
-    if not formats or any(f not in FORMATS for f in formats):
-        raise ValueError(f"--formats: comma-separated {', '.join(FORMATS)}; got {args.formats!r}")
+    formats = _choices(args.formats, FORMATS, "--formats")
     if args.rounds < 1 or args.prompt_len < 8 or args.new_tokens < 2 or args.prefill_len < 1:
         raise ValueError("--rounds and --prefill-len must be >= 1, --prompt-len >= 8 and --new-tokens >= 2")
     if not llama_importable(args.llama_python):

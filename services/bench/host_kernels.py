@@ -147,6 +147,17 @@ def dense_copies(fmt: str, shape: tuple[int, int], gen: torch.Generator, cycle_b
     return packed, nbytes
 
 
+def matrix_copies(fmt: str, kind: str, gen: torch.Generator, cycle_bytes: int,
+                  ) -> tuple[Sequence[object], int, Callable[[torch.Tensor, Any], object], int]:
+    """An expert (`kind` "expert") or a DENSE matrix in `fmt`: its copies (expert_copies, dense_copies), one
+    copy's bytes, the call that runs one on activation rows, and the rows' width."""
+    if kind == "expert":
+        weights, nbytes = expert_copies(fmt, gen, cycle_bytes)
+        return weights, nbytes, expert_forward, HIDDEN
+    weights, nbytes = dense_copies(fmt, DENSE[kind], gen, cycle_bytes)
+    return weights, nbytes, dense_call, DENSE[kind][1]
+
+
 def moe_groups(experts: Sequence[Any]) -> list[tuple[ctypes.Array, ctypes.Array]]:
     """The expert copies TOP_K at a time, each group as the one-call MoE takes a layer's experts (empty when
     the native kernels cannot read them)."""
@@ -219,10 +230,10 @@ def run_host_kernels(json_path: str, formats: list[str], rows: list[int], thread
     first = _probes(buffer, threads)
     results: list[dict] = []
     experts: Sequence[Any] = []
-    kinds: dict[str, tuple[int, int] | None] = {"expert": None, "moe8": None, **DENSE}
+    kinds = ("expert", "moe8", *DENSE)
     with tqdm(total=len(formats) * len(kinds) * len(rows) * len(threads), desc="bench host-kernels") as bar:
         for fmt in formats:
-            for kind, shape in kinds.items():
+            for kind in kinds:
                 for t in threads:
                     use_threads(t)  # before building: without native kernels, oneDNN packing depends on it
                     gen = torch.Generator().manual_seed(seed)
@@ -235,12 +246,8 @@ def run_host_kernels(json_path: str, formats: list[str], rows: list[int], thread
                         if not weights:  # no native kernels here: no one-call MoE to time
                             bar.update(len(rows))
                             continue
-                    elif shape is None:
-                        weights, nbytes = expert_copies(fmt, gen, cycle)
-                        call, width = expert_forward, HIDDEN
                     else:
-                        weights, nbytes = dense_copies(fmt, shape, gen, cycle)
-                        call, width = dense_call, shape[1]
+                        weights, nbytes, call, width = matrix_copies(fmt, kind, gen, cycle)
                     # A shared machine's bandwidth drifts by a quarter within minutes: each case is held against
                     # the probe run right before and after its matrix's cases, the better of the two.
                     local = [bandwidth_probe(buffer, t, LOCAL_PROBE_REPEATS)]

@@ -13,40 +13,21 @@ from __future__ import annotations
 import os
 import shlex
 import statistics
-from collections.abc import Callable, Sequence
 
 import torch
 from tqdm import tqdm
 
-from services.bench.host_kernels import (
-    DENSE,
-    HIDDEN,
-    dense_call,
-    dense_copies,
-    expert_copies,
-    last_level_cache_bytes,
-    time_cycle,
-)
+from services.bench.host_kernels import DENSE, last_level_cache_bytes, matrix_copies, time_cycle
 from services.common.report import bar_plot, markdown_table, run_header, write_json, write_markdown
 from services.engine import cpu_kernels
 from services.engine.cpu_threads import use_threads
-from services.engine.models.moe import expert_forward
 
 KINDS = ("expert", *DENSE)
 
 
 def baseline_flags() -> list[str]:
-    """The flags the engine builds its kernels with on this machine."""
-    env = os.environ.get("HINTSERVE_KERNEL_FLAGS")
-    return shlex.split(env) if env else list(cpu_kernels.default_flags())
-
-
-def _weights(fmt: str, kind: str, cycle: int, gen: torch.Generator) -> tuple[Sequence[object], int, Callable, int]:
-    if kind == "expert":
-        weights, nbytes = expert_copies(fmt, gen, cycle)
-        return weights, nbytes, expert_forward, HIDDEN
-    weights, nbytes = dense_copies(fmt, DENSE[kind], gen, cycle)
-    return weights, nbytes, dense_call, DENSE[kind][1]
+    """The flags the engine builds its kernels with on this machine (the first set `library()` tries)."""
+    return list(cpu_kernels.flag_sets()[0])
 
 
 def run_kernel_flags(json_path: str, candidate: list[str], formats: list[str], kinds: list[str], rows: list[int],
@@ -69,7 +50,7 @@ def run_kernel_flags(json_path: str, candidate: list[str], formats: list[str], k
         for fmt in formats:
             for kind in kinds:
                 gen = torch.Generator().manual_seed(seed)
-                weights, nbytes, call, width = _weights(fmt, kind, cycle, gen)
+                weights, nbytes, call, width = matrix_copies(fmt, kind, gen, cycle)
                 for t in threads:
                     for r in rows:
                         bar.set_postfix_str(f"{fmt} {kind} rows={r} threads={t}")

@@ -41,7 +41,7 @@ SOURCES = [Path(__file__).with_name(name) for name in ("kernels.c", "threadpool.
                                                           "layer.c", "amx.c", "quantize.c", "convert.c")]
 HEADERS = [Path(__file__).with_name(name) for name in ("hs.h", "rows_neon.h")]
 # The second where the compiler knows no -march=native. -fno-math-errno: lrintf inline, not a libm call per element.
-_FLAG_SETS = (["-O3", "-march=native", "-fno-math-errno"], ["-O3", "-fno-math-errno"])
+_FLAG_SETS: tuple[list[str], ...] = (["-O3", "-march=native", "-fno-math-errno"], ["-O3", "-fno-math-errno"])
 _ROWS = 8  # kernels.c's ROWS: tokens per expert GEMM pass
 _NT_ROWS = 4  # kernels.c's NT_ROWS: tokens per pass of expert_rows_f32
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -96,14 +96,13 @@ def library() -> ctypes.CDLL | None:
 def _default_library() -> ctypes.CDLL | None:
     if os.environ.get("HINTSERVE_CPU_KERNELS", "1") == "0":
         return None
-    flag_sets = (shlex.split(os.environ["HINTSERVE_KERNEL_FLAGS"]),) if os.environ.get("HINTSERVE_KERNEL_FLAGS") \
-        else _FLAG_SETS
-    return build_library(flag_sets)
+    return build_library(flag_sets())
 
 
-def default_flags() -> list[str]:
-    """The compiler flags `library()` builds with where the compiler knows -march=native."""
-    return list(_FLAG_SETS[0])
+def flag_sets() -> tuple[list[str], ...]:
+    """The compiler flags `library()` tries, in order: $HINTSERVE_KERNEL_FLAGS alone where set."""
+    env = os.environ.get("HINTSERVE_KERNEL_FLAGS")
+    return (shlex.split(env),) if env else _FLAG_SETS
 
 
 def forget_library() -> None:
