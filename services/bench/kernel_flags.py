@@ -1,7 +1,7 @@
 """`hintserve bench kernel-flags`: two builds of the native CPU kernels timed against each other in one process.
 
 The kernels' tuning knobs are compile-time macros (prefetch distances and hints, streams a row, pairs; each
-named in `rows.c` where it is defined), and a shared machine's memory bandwidth drifts by a quarter within
+named in `rows_tuning.h` or the `rows_*.h` loop it tunes), and a shared machine's memory bandwidth drifts by a quarter within
 minutes, more than most of them move. So both builds run in the same process on the same weights, the rounds
 alternating which goes first, and every case reports the median of its rounds and whether the two builds'
 outputs are the same bits. The baseline is the build the engine would make here (HINTSERVE_KERNEL_FLAGS, else

@@ -1,5 +1,5 @@
 """Native CPU kernels: every weight format's matmul and a MoE layer in one call on one thread pool
-(`threadpool.c`, `matmul.c`, `rows.c`, `moe.c`; bf16 and int8 at many rows on Intel AMX tiles in `amx.c`; the formats
+(`threadpool.c`, `matmul.c`, `rows.c` and its `rows_*.h` parts, `moe.c`; bf16 and int8 at many rows on Intel AMX tiles in `amx.c`; the formats
 and their Python side in `formats.py`), fp32
 paged decode attention, RMSNorm and RoPE (`kernels.c`), and a decode step's whole layer chaining them
 (`layer.c`, `decode_layer.py`).
@@ -39,7 +39,9 @@ log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("kernels.c", "threadpool.c", "matmul.c", "rows.c", "moe.c",
                                                           "layer.c", "amx.c", "quantize.c", "convert.c")]
-HEADERS = [Path(__file__).with_name(name) for name in ("hs.h", "rows_neon.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("hs.h", "rows_tuning.h", "rows_float.h", "rows_float_tiles.h",
+                                                          "rows_int_avx512.h", "rows_int_avx2.h", "rows_int_portable.h",
+                                                          "rows_neon.h")]
 # The second where the compiler knows no -march=native. -fno-math-errno: lrintf inline, not a libm call per element.
 _FLAG_SETS: tuple[list[str], ...] = (["-O3", "-march=native", "-fno-math-errno"], ["-O3", "-fno-math-errno"])
 _ROWS = 8  # kernels.c's ROWS: tokens per expert GEMM pass

@@ -1,7 +1,8 @@
 /* rows.c's loops for Arm: NEON for the float formats, and SDOT (the Armv8.2 dot-product extension: Graviton 2
- * on, Ampere Altra, Apple M1 on) for int8 and int4. Included by rows.c, which defines INLINE and
- * PREFETCH_BYTES (hs.h: TILE, MB, QB; the layouts: matmul.c, formats.py); tests/native/check_kernels.c holds
- * them to a scalar reference, built for aarch64 and run under qemu (tests/test_native_isa.py).
+ * on, Ampere Altra, Apple M1 on) for int8 and int4. Included by rows.c (from rows_float.h), after
+ * rows_tuning.h, which defines INLINE and PREFETCH_BYTES (hs.h: TILE, MB, QB; the layouts: matmul.c,
+ * formats.py); tests/native/check_kernels.c holds them to a scalar reference, built for aarch64 and run under
+ * qemu (tests/test_native_isa.py).
  *
  * The integer tiles keep x86's layout: one 16-byte vector is 4 weight rows x 4 inputs, and SDOT's lane form
  * multiplies it by 4 activations taken from one lane of a loaded vector (no broadcast needed). The int8 weights
