@@ -16,7 +16,8 @@ from services.engine import cpu_kernels
 
 CHECK = Path(__file__).parent / "native" / "check_kernels.c"
 KERNELS = Path(cpu_kernels.__file__).parent
-SOURCES = [KERNELS / name for name in ("kernels.c", "matmul.c", "rows.c", "threadpool.c", "moe.c", "amx.c")]
+SOURCES = [KERNELS / name for name in ("expert_f32.c", "attention.c", "norm_rope.c", "matmul.c", "rows.c",
+                                           "threadpool.c", "moe.c", "amx.c")]
 CROSS = shutil.which("aarch64-linux-gnu-gcc")
 QEMU = shutil.which("qemu-aarch64-static") or shutil.which("qemu-aarch64")
 HOST_CC = shutil.which("cc")

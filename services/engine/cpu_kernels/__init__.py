@@ -1,12 +1,12 @@
 """Native CPU kernels: every weight format's matmul and a MoE layer in one call on one thread pool
-(`threadpool.c`, `matmul.c`, `rows.c` and its `rows_*.h` parts, `moe.c`; bf16 and int8 at many rows on Intel AMX tiles in `amx.c`; the formats
-and their Python side in `formats.py`), fp32
-paged decode attention, RMSNorm and RoPE (`kernels.c`), and a decode step's whole layer chaining them
-(`layer.c`, `decode_layer.py`).
+(`threadpool.c`, `matmul.c`, `rows.c` and its `rows_*.h` parts, `moe.c`; bf16 and int8 at many rows on Intel
+AMX tiles in `amx.c`; the formats and their Python side in `formats.py`), fp32 paged decode attention
+(`attention.c`), RMSNorm and RoPE (`norm_rope.c`), and a decode step's whole layer chaining them (`layer.c`,
+`decode_layer.py`).
 
 Why: decode on a CPU is bound by reading weights, and torch's paths read them at a third of the memory's
-bandwidth (weight-only int8/int4) or paid a dozen small ops per expert and layer; `kernels.c`'s attention reads
-each cached key and value once, in place. The older fp32 expert kernels here (`moe_swiglu`, `expert_rows`) still
+bandwidth (weight-only int8/int4) or paid a dozen small ops per expert and layer; `attention.c` reads
+each cached key and value once, in place. The older fp32 expert kernels (`expert_f32.c`: `moe_swiglu`, `expert_rows`) still
 serve stacked experts whose widths the newer ones do not take and the offload path's gather and scatter.
 
 The sources are compiled at first use with the system C compiler (`$CC`, else `cc`), -O3 -march=native -fno-math-errno, into
@@ -37,15 +37,16 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("kernels.c", "threadpool.c", "matmul.c", "rows.c", "moe.c",
-                                                          "layer.c", "amx.c", "quantize.c", "convert.c")]
-HEADERS = [Path(__file__).with_name(name) for name in ("hs.h", "rows_tuning.h", "rows_float.h", "rows_float_tiles.h",
-                                                          "rows_int_avx512.h", "rows_int_avx2.h", "rows_int_portable.h",
-                                                          "rows_neon.h")]
+SOURCES = [Path(__file__).with_name(name) for name in (
+    "expert_f32.c", "attention.c", "norm_rope.c", "threadpool.c", "matmul.c", "rows.c", "moe.c", "layer.c", "amx.c",
+    "quantize.c", "convert.c")]
+HEADERS = [Path(__file__).with_name(name) for name in (
+    "hs.h", "vec.h", "rows_tuning.h", "rows_float.h", "rows_float_tiles.h", "rows_int_avx512.h", "rows_int_avx2.h",
+    "rows_int_portable.h", "rows_neon.h")]
 # The second where the compiler knows no -march=native. -fno-math-errno: lrintf inline, not a libm call per element.
 _FLAG_SETS: tuple[list[str], ...] = (["-O3", "-march=native", "-fno-math-errno"], ["-O3", "-fno-math-errno"])
-_ROWS = 8  # kernels.c's ROWS: tokens per expert GEMM pass
-_NT_ROWS = 4  # kernels.c's NT_ROWS: tokens per pass of expert_rows_f32
+_ROWS = 8  # expert_f32.c's ROWS: tokens per expert GEMM pass
+_NT_ROWS = 4  # expert_f32.c's NT_ROWS: tokens per pass of expert_rows_f32
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 

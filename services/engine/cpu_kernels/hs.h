@@ -75,7 +75,7 @@ int64_t hs_amx_bf16_rows(const hs_matrix *W, const void *packed, int64_t M, int6
 void hs_amx_q8_rows(const hs_matrix *W, const acts *a, const int64_t *rows, int64_t M, int64_t n0, int64_t n1,
                     float *y, int64_t ldy);
 
-/* The calls a decode layer chains (layer.c): matmul.c's, moe.c's and kernels.c's, each documented there. */
+/* The calls a decode layer chains (layer.c): matmul.c's, moe.c's, attention.c's and norm_rope.c's, each documented there. */
 int hs_linear(const hs_matrix *W, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t M);
 int hs_moe(const hs_matrix *gate_up, const hs_matrix *down, int64_t M, const int64_t *matrix_of, int64_t E,
            const float *x, int64_t ldx, int64_t T, const int64_t *ids, const float *weights, int64_t top_k,

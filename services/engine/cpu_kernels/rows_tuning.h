@@ -69,7 +69,7 @@
 #ifndef PREFETCH_HINT_F32
 #define PREFETCH_HINT_F32 PREFETCH_HINT_F32_DEFAULT
 #endif
-/* The integer tiles prefetch into L2 instead, as kernels.c's loops do: into L1 their prefetches queue on its
+/* The integer tiles prefetch into L2 instead, as expert_f32.c's loops do: into L1 their prefetches queue on its
  * few miss buffers (Xeon guest, one row, huge pages, alternating builds: int4 +5-13%, int8 a few %; the float
  * loops were tuned with T0 and not re-timed). */
 #ifndef PREFETCH_HINT_INT
