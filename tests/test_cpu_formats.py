@@ -386,7 +386,7 @@ _TILE_PRODUCTS = """
 import sys, torch
 from services.engine.cpu_kernels import formats
 out = {}
-for fmt in ("bf16", "int8"):
+for fmt in ("bf16", "int8", "int4"):
     g = torch.Generator().manual_seed(5)
     w = torch.randn(203, 256, generator=g) * 0.05
     bias = torch.randn(203, generator=g)
@@ -398,9 +398,11 @@ for fmt in ("bf16", "int8"):
     ids[:3, 1] = 4  # experts 0-3 at 21-23 rows (tiles), expert 4 at 3 (the vector loops) in the same call
     weights = torch.rand(45, 2, generator=g)
     out[fmt, "linear"] = formats.matmul(x, formats.pack(w, fmt, bias=bias))
+    if fmt == "int4":  # two tile products a group
+        out[fmt, "linear, groups of 128"] = formats.matmul(x, formats.pack(w, fmt, group=128, bias=bias))
     out[fmt, "moe"] = formats.moe(tokens, ids, weights, formats.native_array(experts), formats.native_array(downs),
                                   256)
-    # every expert at the fewest rows the tiles take (bf16 5, int8 10): each packed as 16, over three times the
+    # every expert at the fewest rows the tiles take (bf16 5, int8 and int4 10): each packed as 16, over three times the
     # assignments
     many = 16 if fmt == "bf16" else 8
     experts = [formats.pack(torch.randn(128, 256, generator=g) * 0.05, fmt) for _ in range(many)]
@@ -413,16 +415,16 @@ torch.save(out, sys.argv[1])
 
 
 def test_amx_tiles_match_the_vector_loops(tmp_path) -> None:
-    """Where the CPU grants AMX, bf16 from 5 rows and int8 from 10 run on its tiles: bf16 sums the same products
-    in fp32 in another order, so it agrees with the vector loops (HINTSERVE_AMX=0) to fp32 rounding; int8's
-    integer sums are exact and scaled as the vector loops scale them, so it is their bits."""
+    """Where the CPU grants AMX, bf16 from 5 rows and int8 and int4 from 10 run on its tiles: bf16 sums the same
+    products in fp32 in another order, so it agrees with the vector loops (HINTSERVE_AMX=0) to fp32 rounding;
+    int8's and int4's integer sums are exact and scaled as the vector loops scale them, so they are their bits."""
     import os
     import subprocess
     import sys
 
     if not cpu_kernels.library().hs_amx_rows(formats.FORMAT_IDS["bf16"]):
         pytest.skip("no AMX tiles here (the CPU has none, or the OS or hypervisor does not grant them)")
-    assert "AMX tiles: bf16 from 5 rows, int8 from 10 rows" in cpu_kernels.describe()
+    assert "AMX tiles: bf16 from 5 rows, int8 from 10 rows, int4 from 10 rows" in cpu_kernels.describe()
     results = {}
     for amx in ("1", "0"):
         out = tmp_path / f"amx{amx}.pt"
@@ -431,11 +433,12 @@ def test_amx_tiles_match_the_vector_loops(tmp_path) -> None:
         results[amx] = torch.load(out)
     for (fmt, name), tiles in results["1"].items():
         vectors = results["0"][fmt, name]
-        if fmt == "int8":
-            assert torch.equal(tiles, vectors), name
+        if fmt in ("int8", "int4"):
+            assert torch.equal(tiles, vectors), (fmt, name)
         else:  # moe: a SwiGLU value may round to the next bf16 on its way to down, a bf16 step of one input
             assert _relative_error(tiles, vectors) < (1e-5 if name == "linear" else 5e-3), name
-    assert set(results["1"]) == {(fmt, name) for fmt in ("bf16", "int8") for name in ("linear", "moe", "fewest rows")}
+    assert set(results["1"]) == {(fmt, name) for fmt in ("bf16", "int8", "int4") for name in ("linear", "moe", "fewest rows")
+                                 } | {("int4", "linear, groups of 128")}
 
 
 def test_one_row_pairs_compute_the_single_tiles_bits(tmp_path, monkeypatch) -> None:

@@ -17,7 +17,7 @@ from services.engine import cpu_kernels
 CHECK = Path(__file__).parent / "native" / "check_kernels.c"
 KERNELS = Path(cpu_kernels.__file__).parent
 SOURCES = [KERNELS / name for name in ("expert_f32.c", "attention.c", "norm_rope.c", "matmul.c", "rows.c",
-                                           "threadpool.c", "moe.c", "amx.c")]
+                                           "threadpool.c", "moe.c", "amx.c", "amx_q4.c")]
 CROSS = shutil.which("aarch64-linux-gnu-gcc")
 QEMU = shutil.which("qemu-aarch64-static") or shutil.which("qemu-aarch64")
 HOST_CC = shutil.which("cc")

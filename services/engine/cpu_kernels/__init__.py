@@ -1,8 +1,8 @@
 """Native CPU kernels: every weight format's matmul and a MoE layer in one call on one thread pool
-(`threadpool.c`, `matmul.c`, `rows.c` and its `rows_*.h` parts, `moe.c`; bf16 and int8 at many rows on Intel
-AMX tiles in `amx.c`; the formats and their Python side in `formats.py`), fp32 paged decode attention
-(`attention.c`), RMSNorm and RoPE (`norm_rope.c`), and a decode step's whole layer chaining them (`layer.c`,
-`decode_layer.py`).
+(`threadpool.c`, `matmul.c`, `rows.c` and its `rows_*.h` parts, `moe.c`; bf16, int8 and int4 at many rows on
+Intel AMX tiles in `amx.c` and `amx_q4.c`; the formats and their Python side in `formats.py`), fp32 paged
+decode attention (`attention.c`), RMSNorm and RoPE (`norm_rope.c`), and a decode step's whole layer chaining
+them (`layer.c`, `decode_layer.py`).
 
 Why: decode on a CPU is bound by reading weights, and torch's paths read them at a third of the memory's
 bandwidth (weight-only int8/int4) or paid a dozen small ops per expert and layer; `attention.c` reads
@@ -39,10 +39,10 @@ log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in (
     "expert_f32.c", "attention.c", "norm_rope.c", "threadpool.c", "matmul.c", "rows.c", "moe.c", "layer.c", "amx.c",
-    "quantize.c", "convert.c")]
+    "amx_q4.c", "quantize.c", "convert.c")]
 HEADERS = [Path(__file__).with_name(name) for name in (
-    "hs.h", "vec.h", "rows_tuning.h", "rows_float.h", "rows_float_tiles.h", "rows_int_avx512.h", "rows_int_avx2.h",
-    "rows_int_portable.h", "rows_neon.h")]
+    "hs.h", "vec.h", "amx.h", "dequant_avx512.h", "rows_tuning.h", "rows_float.h", "rows_float_tiles.h",
+    "rows_int_avx512.h", "rows_int_avx2.h", "rows_int_portable.h", "rows_neon.h")]
 # The second where the compiler knows no -march=native. -fno-math-errno: lrintf inline, not a libm call per element.
 _FLAG_SETS: tuple[list[str], ...] = (["-O3", "-march=native", "-fno-math-errno"], ["-O3", "-fno-math-errno"])
 _ROWS = 8  # expert_f32.c's ROWS: tokens per expert GEMM pass
@@ -201,7 +201,7 @@ def describe() -> str:
         return "native CPU kernels off (no compiler, a failed build or HINTSERVE_CPU_KERNELS=0): torch's path runs"
     from services.engine.cpu_kernels.formats import FORMAT_IDS  # formats imports this module
 
-    amx_rows = {fmt: lib.hs_amx_rows(FORMAT_IDS[fmt]) for fmt in ("bf16", "int8")}
+    amx_rows = {fmt: lib.hs_amx_rows(FORMAT_IDS[fmt]) for fmt in ("bf16", "int8", "int4")}
     amx = ", ".join(f"{fmt} from {rows} rows" for fmt, rows in amx_rows.items() if rows)
     return f"native CPU kernels: {lib.hs_isa().decode()} loops" + (f"; AMX tiles: {amx}" if amx else "")
 

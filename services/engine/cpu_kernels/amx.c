@@ -22,13 +22,12 @@
 
 #include "hs.h"
 
-#if defined(__x86_64__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && \
-    defined(__AVX512F__) && defined(__linux__)
-#include <immintrin.h>
+#include "amx.h"
+
+#if defined(HAVE_AMX)
 #include <stdatomic.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-#define HAVE_AMX 1
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 #endif
@@ -78,7 +77,7 @@ int hs_amx_rows(int64_t format) {
 #if defined(HAVE_AMX)
     if (!amx_granted())
         return 0;
-    return format == BF16 ? AMX_MIN_ROWS : format == Q8 ? AMX_MIN_ROWS_Q8 : 0;
+    return format == BF16 ? AMX_MIN_ROWS : format == Q8 ? AMX_MIN_ROWS_Q8 : format == Q4 ? AMX_MIN_ROWS_Q4 : 0;
 #else
     (void)format;
     return 0;
@@ -87,11 +86,11 @@ int hs_amx_rows(int64_t format) {
 
 int hs_amx_wanted(const hs_matrix *W, int64_t M) {
     int least = hs_amx_rows(W->format);
-    return least && M >= least && W->K % 64 == 0;
+    return least && M >= least && W->K % 64 == 0 && (W->format != Q4 || (W->group % 64 == 0 && W->group <= AMX_Q4_MAX_GROUP));
 }
 
-/* Bytes of one packed activation row of width K: bf16 pairs, or Q8's int8 values. */
-int64_t hs_amx_row_bytes(int64_t format, int64_t K) { return format == Q8 ? K : 2 * K; }
+/* Bytes of one packed activation row of width K: bf16 pairs, or Q8's and Q4's int8 values. */
+int64_t hs_amx_row_bytes(int64_t format, int64_t K) { return format == Q8 || format == Q4 ? K : 2 * K; }
 
 /* Bytes hs_amx_pack writes for M rows of width K: whole blocks of 16 rows. */
 int64_t hs_amx_packed_bytes(int64_t format, int64_t M, int64_t K) {
@@ -99,10 +98,10 @@ int64_t hs_amx_packed_bytes(int64_t format, int64_t M, int64_t K) {
 }
 
 /* Block b of the activation rows rows[m] (m < M) into dst, zeros past M. bf16: a->f32's rows rounded (as
- * hs_acts_fill rounds them) as the block's [K / 2][16] pairs, so the B tiles of every 32 inputs follow on. Q8:
- * the rows' int8 values (a->q, filled) as [16][K], tile A's rows at a stride of K. */
+ * hs_acts_fill rounds them) as the block's [K / 2][16] pairs, so the B tiles of every 32 inputs follow on. Q8
+ * and Q4: the rows' int8 values (a->q, filled) as [16][K], tile A's rows at a stride of K. */
 void hs_amx_pack_block(const acts *a, const int64_t *rows, int64_t M, int64_t b, void *dst) {
-    if (a->format == Q8) {
+    if (a->format == Q8 || a->format == Q4) {
         int8_t *out = (int8_t *)dst + b * 16 * a->K;
         for (int64_t r = 0; r < 16; r++) {
             int64_t m = b * 16 + r;
@@ -147,11 +146,6 @@ void hs_amx_pack(const acts *a, const int64_t *rows, int64_t M, void *dst) {
 }
 
 #if defined(HAVE_AMX)
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
 
 /* y[m, n] = sums[n][m] (+ bias[n]) for the block's first `mm` rows. */
 static void store_sums(const float sums[16][16], int64_t mm, float *y, int64_t ldy, int64_t n0, int64_t nn,
@@ -297,10 +291,7 @@ static void q8_block(const uint8_t *w, const float *ws, const float *bias, int v
 void hs_amx_q8_rows(const hs_matrix *W, const acts *a, const int64_t *rows, int64_t M, int64_t n0, int64_t n1,
                     float *y, int64_t ldy) {
 #if defined(HAVE_AMX)
-    tile_config cfg = {.palette = 1};
-    for (int t = 0; t < 6; t++)
-        cfg.colsb[t] = 64, cfg.rows[t] = 16;
-    _tile_loadconfig(&cfg);
+    amx_configure_int_tiles();
     int64_t K = W->K;
     for (int64_t b = 0; b * 16 < M; b++) {
         const int8_t *xq = (const int8_t *)a->amx + b * 16 * K;

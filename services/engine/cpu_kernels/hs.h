@@ -61,9 +61,9 @@ char *hs_scratch(int64_t bytes);
 const int64_t *hs_identity_rows(int64_t M);
 char *align64(char *p);
 
-/* bf16 and int8 on AMX tiles (amx.c): whether W at M rows takes them here, the packed activations' bytes and
- * packing, and the products over weight rows [n0, n1) (bf16 returns the first row it left, past the last whole
- * 16; int8 takes every tile). */
+/* bf16, int8 and int4 on AMX tiles (amx.c, amx_q4.c): whether W at M rows takes them here, the packed
+ * activations' bytes and packing, and the products over weight rows [n0, n1) (bf16 returns the first row it
+ * left, past the last whole 16; int8 and int4 take every tile). */
 int hs_amx_rows(int64_t format);
 int hs_amx_wanted(const hs_matrix *W, int64_t M);
 int64_t hs_amx_row_bytes(int64_t format, int64_t K);
@@ -73,6 +73,8 @@ void hs_amx_pack(const acts *a, const int64_t *rows, int64_t M, void *dst);
 int64_t hs_amx_bf16_rows(const hs_matrix *W, const void *packed, int64_t M, int64_t n0, int64_t n1, float *y,
                          int64_t ldy);
 void hs_amx_q8_rows(const hs_matrix *W, const acts *a, const int64_t *rows, int64_t M, int64_t n0, int64_t n1,
+                    float *y, int64_t ldy);
+void hs_amx_q4_rows(const hs_matrix *W, const acts *a, const int64_t *rows, int64_t M, int64_t n0, int64_t n1,
                     float *y, int64_t ldy);
 
 /* The calls a decode layer chains (layer.c): matmul.c's, moe.c's, attention.c's and norm_rope.c's, each documented there. */

@@ -61,6 +61,10 @@ void hs_rows_block(const hs_matrix *W, const acts *a, const int64_t *rows, int64
         hs_amx_q8_rows(W, a, rows, M, n0, n1, y, ldy);
         return;
     }
+    if (W->format == Q4 && a->amx) {
+        hs_amx_q4_rows(W, a, rows, M, n0, n1, y, ldy);
+        return;
+    }
     if (W->format == BF16 && a->amx) {
         n0 = hs_amx_bf16_rows(W, a->amx, M, n0, n1, y, ldy);
         if (n0 >= n1)

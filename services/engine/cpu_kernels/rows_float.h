@@ -106,10 +106,7 @@ INLINE void avx2_rows_streams(const void *w, int is_bf16, const float *x, int64_
 #endif
 
 #if defined(HAVE_AVX512)
-/* 16 bf16 widened to fp32 (exact, as bf16x8). */
-INLINE __m512 bf16x16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
+#include "dequant_avx512.h" /* bf16x16, and int4's group scaling */
 
 /* 16 fp32 weights, or 16 bf16 ones widened (is_bf16 a constant where it is inlined). */
 INLINE __m512 load16(const char *w, int is_bf16, int64_t k) {

@@ -80,20 +80,6 @@ INLINE void q8_tile_pair(const uint8_t *wa, const uint8_t *wb, const float *ws_a
                                          bias_b ? _mm512_loadu_ps(bias_b) : _mm512_setzero_ps()));
 }
 
-/* A group's scales, and its zeros less 8 scales (the offset's and the zero's share), from after its nibbles. */
-INLINE void q4_scales(const uint8_t *block, int64_t g, __m512 *scale, __m512 *zero8) {
-    const uint16_t *sz = (const uint16_t *)(block + g / 2 * TILE);
-    *scale = bf16x16(sz);
-    *zero8 = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), *scale, bf16x16(sz + TILE));
-}
-
-/* acc plus one activation row's integer sums over a group, dequantized (the row's block scale d and its scaled
- * sum dsum): q4_tile and q4_tile_pair the same way, so a pair's sums are the single tile's bit for bit. */
-INLINE __m512 q4_add_group(__m512 acc, __m512i dot, __m512 scale, __m512 zero8, float d, float dsum) {
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(d)), acc);
-    return _mm512_fmadd_ps(zero8, _mm512_set1_ps(dsum), acc);
-}
-
 INLINE void q4_tile(const uint8_t *w, int64_t g, const acts *a, const int64_t *rows, int mm, int64_t K, float *y,
                     int64_t ldy, const float *bias, int valid) {
     int64_t G = K / g, gb = q4_group_bytes(g);
