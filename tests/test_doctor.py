@@ -17,6 +17,7 @@ from services.common.cpu import cpu_info
 from services.doctor import machine
 from services.doctor.model_check import check_model
 from services.doctor.recommend import recommend
+from services.engine import cpu_kernels
 from services.engine.host_allocator import huge_page_status
 from tests.conftest import REPO_ROOT
 
@@ -42,6 +43,8 @@ def test_doctor_json_on_the_demo_model_within_15_seconds(demo_model_dir: str) ->
     assert model["all_experts_bytes"] == model["expert_bytes"] * model["moe_layers"] * model["experts_per_layer"]
     assert set(report["cpu"]["features"]) == {"avx2", "avx512", "vnni", "bf16", "amx"}
     assert set(report["huge_pages"]) == {"mode", "weights", "why"}
+    kernels = report["native_kernels"]  # which loops, and from how many rows each format takes AMX tiles
+    assert not kernels["built"] or kernels["runs"] == cpu_kernels.describe()
     assert report["host_bandwidth_gbps"] > 0
     if not report["cuda"]:
         assert report["recommendation"]["policy"] == "resident" and report["link_gbps"] is None

@@ -67,7 +67,7 @@ def render(report: dict[str, Any]) -> str:
         f"python       {b['python']}, torch {b['torch']} (CUDA build: {b['torch_cuda'] or 'none'})",
         f"cuda         {cuda}",
         f"cpu          {cpu['model']}, {cpu['cores']} cores; {features}",
-        f"kernels      {'built' if k['built'] else 'not built'} ({k['why']})",
+        f"kernels      {k['runs'] + ' ' if k['built'] else 'not built '}({k['why']})",
         "huge pages   " + (f"weights on huge pages (THP mode {huge['mode']!r})" if huge["weights"]
                            else f"weights on 4 KB pages: {huge['why']} (CPU kernels guide: Huge pages)"),
         f"pinned       {'available' if pin['available'] else 'not available: ' + pin['why']}",

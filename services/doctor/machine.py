@@ -72,7 +72,7 @@ def native_kernels() -> dict[str, Any]:
     finally:
         log.removeHandler(handler)
     if lib is not None:
-        return {"built": True, "why": f"cached in {cpu_kernels.cache_dir()}",
+        return {"built": True, "why": f"cached in {cpu_kernels.cache_dir()}", "runs": cpu_kernels.describe(),
                 "used_when": "torch runs one intra-op thread and the run dtype is float32"}
     return {"built": False, "why": handler.messages[-1] if handler.messages else "library() returned None"}
 
