@@ -38,23 +38,9 @@
 #ifndef AMX_MIN_ROWS_Q8
 #define AMX_MIN_ROWS_Q8 10 /* int8's vector loops are faster per row: 8 rows 194 us against the tiles' 230 */
 #endif
-/* int8 tiles at 16-64 rows read their weights 1 KB a block with no compute to hide a miss behind (a block's
- * tile product and scaling took about 70 ns with the weights in L2), so each step prefetches its two blocks'
- * lines AMX_Q8_PREFETCH bytes ahead (the next weight tiles follow on in memory), and each block's sums are read
- * back AMX_Q8_LAG blocks after their tile store. On an Intel Xeon guest (AMX; one process alternating builds,
- * 3-4 rounds, Qwen3-shape matrices from memory) against neither: 16 rows 1.08-1.3x as fast per expert, q_proj
- * and LM head, one and two threads; 64 rows even to 1.09x. The prefetch alone, 2-16 KB ahead or into L2, was
- * within the guest's noise of 4 KB into L1. */
-#ifndef AMX_Q8_PREFETCH
-#define AMX_Q8_PREFETCH 4096
+#ifndef AMX_MIN_ROWS_Q4
+#define AMX_MIN_ROWS_Q4 10 /* int4 (amx_q4.c), as int8 */
 #endif
-#ifndef AMX_Q8_PREFETCH_HINT
-#define AMX_Q8_PREFETCH_HINT _MM_HINT_T0
-#endif
-#ifndef AMX_Q8_LAG
-#define AMX_Q8_LAG 4
-#endif
-#define AMX_Q8_RING 8 /* sum buffers: more than AMX_Q8_LAG + 1 */
 #define AMX_MB 3 /* activation row blocks of 16 per pass over a weight tile: 1 A + 3 B + 3 C of the 8 tiles */
 
 #if defined(HAVE_AMX)
@@ -245,7 +231,7 @@ static inline __attribute__((always_inline)) void scale_block(__m512 acc[16], co
 static void q8_block(const uint8_t *w, const float *ws, const float *bias, int valid, const int8_t *xq,
                      const acts *a, const int64_t *rows, int64_t mm, float *y, int64_t ldy) {
     int64_t K = a->K, blocks = K / QB;
-    int32_t sums[AMX_Q8_RING][16][16] __attribute__((aligned(64)));
+    int32_t sums[AMX_SUM_RING][16][16] __attribute__((aligned(64)));
     const float *d[16];
     __m512 acc[16];
     for (int r = 0; r < 16; r++) {
@@ -253,7 +239,7 @@ static void q8_block(const uint8_t *w, const float *ws, const float *bias, int v
         acc[r] = _mm512_setzero_ps();
     }
     /* Two sum tiles in turn, so the tile unit multiplies one block while the other's sums are stored; each
-     * block's sums are scaled AMX_Q8_LAG blocks after they were stored, once the stores have reached the cache
+     * block's sums are scaled AMX_SUM_LAG blocks after they were stored, once the stores have reached the cache
      * (read back at once, every block waited on its tile store). */
 #define Q8_TILE_BLOCK(c, x, wt, blk)                                                                          \
     do {                                                                                                       \
@@ -261,23 +247,23 @@ static void q8_block(const uint8_t *w, const float *ws, const float *bias, int v
         _tile_loadd(x, xq + (blk) * QB, K);                                                                    \
         _tile_loadd(wt, w + (blk) * QB * TILE, 64);                                                            \
         _tile_dpbsud(c, x, wt);                                                                                \
-        _tile_stored(c, sums[(blk) % AMX_Q8_RING], 64);                                                        \
+        _tile_stored(c, sums[(blk) % AMX_SUM_RING], 64);                                                        \
     } while (0)
     for (int64_t b = 0; b < blocks; b++) {
         if (b % 2 == 0) {
-            if (AMX_Q8_PREFETCH > 0)
+            if (AMX_INT_PREFETCH > 0)
                 for (int line = 0; line < 2 * QB * TILE; line += 64)
-                    _mm_prefetch((const char *)(w + b * QB * TILE) + AMX_Q8_PREFETCH + line, AMX_Q8_PREFETCH_HINT);
+                    _mm_prefetch((const char *)(w + b * QB * TILE) + AMX_INT_PREFETCH + line, AMX_INT_PREFETCH_HINT);
             Q8_TILE_BLOCK(0, 1, 2, b);
         } else {
             Q8_TILE_BLOCK(3, 4, 5, b);
         }
-        if (b >= AMX_Q8_LAG)
-            scale_block(acc, sums[(b - AMX_Q8_LAG) % AMX_Q8_RING], d, b - AMX_Q8_LAG);
+        if (b >= AMX_SUM_LAG)
+            scale_block(acc, sums[(b - AMX_SUM_LAG) % AMX_SUM_RING], d, b - AMX_SUM_LAG);
     }
 #undef Q8_TILE_BLOCK
-    for (int64_t b = blocks > AMX_Q8_LAG ? blocks - AMX_Q8_LAG : 0; b < blocks; b++)
-        scale_block(acc, sums[b % AMX_Q8_RING], d, b);
+    for (int64_t b = blocks > AMX_SUM_LAG ? blocks - AMX_SUM_LAG : 0; b < blocks; b++)
+        scale_block(acc, sums[b % AMX_SUM_RING], d, b);
     __mmask16 keep = (__mmask16)((1u << valid) - 1);
     __m512 scale = _mm512_maskz_loadu_ps(keep, ws), add = bias ? _mm512_maskz_loadu_ps(keep, bias) : _mm512_setzero_ps();
     for (int64_t r = 0; r < mm; r++)

@@ -17,11 +17,6 @@
 
 #define Q4_UNPACK_LEAD 2    /* groups unpacked ahead of their tile product: a tile load waits on recent stores */
 #define Q4_UNPACK_RING 4    /* unpacked groups' buffers: more than Q4_UNPACK_LEAD */
-#define Q4_LAG 4            /* groups between a sum tile's store and its scaling, as amx.c's int8 */
-#define Q4_SUM_RING 8       /* sum buffers: more than Q4_LAG + 1 */
-#ifndef AMX_Q4_PREFETCH
-#define AMX_Q4_PREFETCH 4096 /* bytes ahead of the group being unpacked, every line (amx.c's AMX_Q8_PREFETCH) */
-#endif
 
 /* A group's nibbles (from `block`, g inputs) as tile B rows of nibble values: [g / 4][64] bytes. */
 static inline __attribute__((always_inline)) void unpack_group(const uint8_t *block, int64_t g, uint8_t *out) {
@@ -51,7 +46,7 @@ static void q4_block(const uint8_t *w, int64_t g, const float *bias, int valid, 
                      const int64_t *rows, int64_t mm, float *y, int64_t ldy) {
     int64_t K = a->K, G = K / g, gb = q4_group_bytes(g), parts = g / 64;
     uint8_t unpacked[Q4_UNPACK_RING][AMX_Q4_MAX_GROUP / 64][16][64] __attribute__((aligned(64)));
-    int32_t sums[Q4_SUM_RING][16][16] __attribute__((aligned(64)));
+    int32_t sums[AMX_SUM_RING][16][16] __attribute__((aligned(64)));
     const float *d[16], *dsum[16];
     __m512 acc[16];
     for (int r = 0; r < 16; r++) {
@@ -62,7 +57,8 @@ static void q4_block(const uint8_t *w, int64_t g, const float *bias, int valid, 
     }
     for (int64_t j = 0; j < Q4_UNPACK_LEAD && j < G; j++)
         unpack_group(w + j * gb, g, &unpacked[j % Q4_UNPACK_RING][0][0][0]);
-    /* Two sum tiles in turn (0, then 3), as amx.c's int8 blocks. */
+    /* Two sum tiles in turn (0, then 3), as amx.c's int8 blocks; a group's sums scaled AMX_SUM_LAG groups after
+     * their store, its lines prefetched AMX_INT_PREFETCH ahead of the group being unpacked (amx.h). */
 #define Q4_TILE_GROUP(c, x, wt, grp)                                                                          \
     do {                                                                                                       \
         _tile_zero(c);                                                                                         \
@@ -71,27 +67,27 @@ static void q4_block(const uint8_t *w, int64_t g, const float *bias, int valid, 
             _tile_loadd(wt, &unpacked[(grp) % Q4_UNPACK_RING][part][0][0], 64);                                \
             _tile_dpbsud(c, x, wt);                                                                            \
         }                                                                                                      \
-        _tile_stored(c, sums[(grp) % Q4_SUM_RING], 64);                                                        \
+        _tile_stored(c, sums[(grp) % AMX_SUM_RING], 64);                                                        \
     } while (0)
     for (int64_t j = 0; j < G; j++) {
         int64_t next = j + Q4_UNPACK_LEAD;
         if (next < G) {
             const uint8_t *block = w + next * gb;
-            if (AMX_Q4_PREFETCH > 0)
+            if (AMX_INT_PREFETCH > 0)
                 for (int64_t line = 0; line < gb; line += 64)
-                    _mm_prefetch((const char *)block + AMX_Q4_PREFETCH + line, _MM_HINT_T0);
+                    _mm_prefetch((const char *)block + AMX_INT_PREFETCH + line, AMX_INT_PREFETCH_HINT);
             unpack_group(block, g, &unpacked[next % Q4_UNPACK_RING][0][0][0]);
         }
         if (j % 2 == 0)
             Q4_TILE_GROUP(0, 1, 2, j);
         else
             Q4_TILE_GROUP(3, 4, 5, j);
-        if (j >= Q4_LAG)
-            scale_group(acc, sums[(j - Q4_LAG) % Q4_SUM_RING], w + (j - Q4_LAG) * gb, g, d, dsum, j - Q4_LAG);
+        if (j >= AMX_SUM_LAG)
+            scale_group(acc, sums[(j - AMX_SUM_LAG) % AMX_SUM_RING], w + (j - AMX_SUM_LAG) * gb, g, d, dsum, j - AMX_SUM_LAG);
     }
 #undef Q4_TILE_GROUP
-    for (int64_t j = G > Q4_LAG ? G - Q4_LAG : 0; j < G; j++)
-        scale_group(acc, sums[j % Q4_SUM_RING], w + j * gb, g, d, dsum, j);
+    for (int64_t j = G > AMX_SUM_LAG ? G - AMX_SUM_LAG : 0; j < G; j++)
+        scale_group(acc, sums[j % AMX_SUM_RING], w + j * gb, g, d, dsum, j);
     __mmask16 keep = (__mmask16)((1u << valid) - 1);
     __m512 add = bias ? _mm512_maskz_loadu_ps(keep, bias) : _mm512_setzero_ps();
     for (int64_t r = 0; r < mm; r++)
