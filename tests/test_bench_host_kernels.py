@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.bench import host_kernels
+from services.bench import bandwidth, host_kernels
 from services.cli import main
 from services.engine import cpu_kernels
 from services.engine.cpu_threads import use_threads
@@ -25,10 +25,10 @@ def test_every_case_reports_gbs_against_its_probe(tmp_path: Path) -> None:
     assert cases == {(f, k, r, 1) for f in ("fp32", "int4") for k in kinds for r in (1, 3)}
     probe = saved["probe_gb_per_s"]["1"]
     assert probe == max(saved["probe_runs_gb_per_s"][when]["1"] for when in ("before", "after"))
-    groups: dict[tuple, float] = {}
-    for r in saved["results"]:  # each case against the probe run around its matrix's cases
+    for r in saved["results"]:  # each case: its slice of median share, against the probes beside that slice
         assert r["probe_gb_per_s"] > 0 and r["of_probe"] == pytest.approx(r["gb_per_s"] / r["probe_gb_per_s"])
-        assert groups.setdefault((r["format"], r["kind"], r["threads"]), r["probe_gb_per_s"]) == r["probe_gb_per_s"]
+        shares = sorted(s["of_probe"] for s in r["slices"])
+        assert len(shares) == bandwidth.SLICES and r["of_probe"] == shares[len(shares) // 2]
         assert r["gb_per_s"] > 0
         assert r["gb_per_s"] == pytest.approx(r["weight_bytes"] / r["us_per_call"] / 1e3)
     experts = {r["format"]: r["weight_bytes"] for r in saved["results"] if r["kind"] == "expert"}
@@ -63,10 +63,22 @@ def test_the_native_read_probe_reads_every_line_once(threads: int) -> None:
 def test_the_probe_takes_the_faster_of_torchs_sum_and_the_native_read(monkeypatch) -> None:
     buffer = torch.ones(1 << 20)
     calls = []
-    monkeypatch.setattr(host_kernels, "_timed", lambda fn: calls.append(fn) or (1.0 if len(calls) <= 2 else 0.5))
-    gbs = host_kernels.bandwidth_probe(buffer, 1, repeats=2)
+    monkeypatch.setattr(bandwidth, "_timed", lambda fn: calls.append(fn) or (1.0 if len(calls) <= 2 else 0.5))
+    gbs = bandwidth.bandwidth_probe(buffer, 1, repeats=2)
     assert gbs == pytest.approx(buffer.numel() * 4 / 0.5 / 1e9)  # the native read's (second) timings
     assert calls[0] == buffer.sum and calls[2] != buffer.sum
+
+
+def test_each_slice_is_held_against_the_better_probe_beside_it() -> None:
+    # The host's bandwidth doubles after the first slice and halves again after the third: a slice's share is of
+    # the bandwidth around it, not of the run's best, and the row is the slice of median share.
+    gb = 1e9
+    best, slices = bandwidth.median_share(int(30 * gb), [1.0, 0.5, 0.5, 1.0, 1.0], [30, 30, 60, 60, 30, 30])
+    assert [s.probe_gb_per_s for s in slices] == [30, 60, 60, 60, 30]
+    assert [round(s.of_probe, 3) for s in slices] == [1.0, 1.0, 1.0, 0.5, 1.0]
+    assert best in slices and best.of_probe == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        bandwidth.median_share(1, [1.0, 1.0], [30.0, 30.0])
 
 
 @pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler: the kernels are off here")

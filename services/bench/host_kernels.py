@@ -7,8 +7,8 @@ the one-call MoE kernel the CPU engine runs (`moe8`: 8 experts a call), and Qwen
 model's own dense linear, cycling through copies of each matrix worth twice the last-level cache per thread so
 every call reads its weights from DRAM, not from cache. GB/s is weight bytes read per second; the ratio divides it
 by a STREAM-like read probe (over a buffer twice the cycle: torch's sum, or the kernels' own four-stream read
-where that is faster) at the same thread count, measured in the
-same command, before and after the cases. Everything goes through the project's public functions, so faster kernels show up unchanged.
+where that is faster) at the same thread count, interleaved with the case's timed slices (bandwidth.py says why).
+Everything goes through the project's public functions, so faster kernels show up unchanged.
 """
 
 from __future__ import annotations
@@ -17,15 +17,19 @@ import copy
 import ctypes
 import dataclasses
 import os
-import statistics
-import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
+from services.bench.bandwidth import (
+    SLICE_PROBE_REPEATS,
+    SLICES,
+    bandwidth_probe,
+    last_level_cache_bytes,
+    time_against_probe,
+)
 from services.common.report import bar_plot, markdown_table, run_header, write_json, write_markdown
 from services.engine import cpu_kernels
 from services.engine.cpu_kernels import formats as cpu_formats
@@ -47,21 +51,7 @@ HIDDEN, EXPERT_WIDTH = 2048, 768
 DENSE = {"q_proj": (32 * 128, HIDDEN), "o_proj": (HIDDEN, 32 * 128), "lm_head": (8000, HIDDEN)}
 _UNIQUE = 4  # distinct random matrices per kind; the rest are copies (only their addresses must differ)
 TOP_K = 8  # Qwen3-30B-A3B's experts per token: one `moe8` call is one decode layer's experts
-LOCAL_PROBE_REPEATS = 3  # the probe around each matrix's cases: best of this many sums
 _DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def last_level_cache_bytes() -> int:
-    """The largest CPU cache sysfs reports (L3 here; 32 MiB when it reports none)."""
-    sizes = []
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            text = (index / "size").read_text().strip()
-        except OSError:
-            continue
-        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        sizes.append(int(text.rstrip("KMG")) * unit)
-    return max(sizes, default=32 << 20)
 
 
 def default_threads() -> list[int]:
@@ -72,30 +62,8 @@ def default_threads() -> list[int]:
     return list(range(1, cores + 1))
 
 
-def bandwidth_probe(buffer: torch.Tensor, threads: int, repeats: int = 5) -> float:
-    """GB/s of reading `buffer` at `threads` threads, the best of `repeats` (a read-only STREAM): torch's sum,
-    or where the native kernels are built the better of it and their read over four streams a thread (torch's
-    sum reads one: on a Zen 2 guest the kernels that read four outran it by a quarter)."""
-    def best_of(read: Callable[[], object]) -> float:
-        read()  # first touch and thread start-up stay out of the figure
-        return min(_timed(read) for _ in range(repeats))
-
-    torch.set_num_threads(threads)
-    best = best_of(buffer.sum)
-    if cpu_kernels.library() is not None:
-        use_threads(threads)  # the kernels' pool at `threads`, torch on one
-        best = min(best, best_of(lambda: cpu_kernels.read_probe(buffer)))
-    return buffer.numel() * buffer.element_size() / best / 1e9
-
-
 def _probes(buffer: torch.Tensor, threads: list[int]) -> dict[int, float]:
     return {t: bandwidth_probe(buffer, t) for t in threads}
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def _count(nbytes: int, cycle_bytes: int, minimum: int = _UNIQUE, multiple: int = 1) -> int:
@@ -201,23 +169,6 @@ def dense_call(x: torch.Tensor, weights: object) -> torch.Tensor:
     return packed_linear(x, weights)
 
 
-def time_cycle(call: Callable[[torch.Tensor, object], object], weights: Sequence[object], x: torch.Tensor,
-               min_seconds: float) -> float:
-    """Seconds per call, cycling through `weights` (one warm pass first); passes until `min_seconds`, median."""
-    for w in weights:
-        call(x, w)
-    per_call: list[float] = []
-    spent = 0.0
-    while spent < min_seconds or len(per_call) < 3:
-        start = time.perf_counter()
-        for w in weights:
-            call(x, w)
-        elapsed = time.perf_counter() - start
-        per_call.append(elapsed / len(weights))
-        spent += elapsed
-    return statistics.median(per_call)
-
-
 def run_host_kernels(json_path: str, formats: list[str], rows: list[int], threads: list[int],
                      min_seconds: float = 0.3, cycle_bytes: int | None = None, seed: int = 0) -> dict:
     """Every (format, matrix, threads, rows) case; `cycle_bytes` (default twice the last-level cache per thread:
@@ -248,23 +199,16 @@ def run_host_kernels(json_path: str, formats: list[str], rows: list[int], thread
                             continue
                     else:
                         weights, nbytes, call, width = matrix_copies(fmt, kind, gen, cycle)
-                    # A shared machine's bandwidth drifts by a quarter within minutes: each case is held against
-                    # the probe run right before and after its matrix's cases, the better of the two.
-                    local = [bandwidth_probe(buffer, t, LOCAL_PROBE_REPEATS)]
-                    use_threads(t)
-                    group = len(results)
                     for r in rows:
                         bar.set_postfix_str(f"{fmt} {kind} rows={r} threads={t}")
                         x = torch.randn(r, width, generator=gen)
-                        seconds = time_cycle(call, weights, x, min_seconds)
-                        gbs = nbytes / seconds / 1e9
+                        share, slices = time_against_probe(call, weights, x, nbytes, min_seconds, buffer, t)
                         results.append({"format": fmt, "kind": kind, "rows": r, "threads": t,
-                                        "us_per_call": seconds * 1e6, "weight_bytes": nbytes, "gb_per_s": gbs})
+                                        "us_per_call": share.seconds * 1e6, "weight_bytes": nbytes,
+                                        "gb_per_s": nbytes / share.seconds / 1e9,
+                                        "probe_gb_per_s": share.probe_gb_per_s, "of_probe": share.of_probe,
+                                        "slices": [dataclasses.asdict(s) for s in slices]})
                         bar.update()
-                    local.append(bandwidth_probe(buffer, t, LOCAL_PROBE_REPEATS))
-                    for case in results[group:]:
-                        case["probe_gb_per_s"] = max(local)
-                        case["of_probe"] = case["gb_per_s"] / max(local)
                     del weights
                     experts = []
     last = _probes(buffer, threads)
@@ -289,9 +233,10 @@ def _write(json_path: str, result: dict, formats: list[str], threads: list[int])
     probes = ", ".join(f"{t} thread(s) {g:.1f} GB/s" for t, g in result["probe_gb_per_s"].items())
     note = (f"Read-bandwidth probe: {probes}. Each figure cycles through {result['cycled_bytes_per_pass'] / 1e6:.0f}"
             f" MB of copies of the matrix (the last-level cache: {result['last_level_cache_bytes'] >> 20} MiB), "
-            "median over passes; the probe sums a buffer twice that size, best of 5, before and after all "
-            "cases (above); each case's share is of the probe run right before and after its matrix's cases "
-            "(best of 3, the better run kept). expert: Qwen3-30B-A3B's (gate/up 1536x2048, down 2048x768) through "
+            "median over passes; the probe reads a buffer twice that size, best of 5, before and after all "
+            f"cases (above). Each case runs in {SLICES} slices with a probe (best of {SLICE_PROBE_REPEATS}) before "
+            "each and after the last; a slice's share is of the better probe beside it, and the row is the "
+            "slice of median share (every slice in the JSON). expert: Qwen3-30B-A3B's (gate/up 1536x2048, down 2048x768) through "
             "expert_forward;"
             f" int4 group size {result['group_size']}.\n\n")
     table = markdown_table(["format", "matrix", "rows", "threads", "us/call", "GB/s", "of probe"], rows)

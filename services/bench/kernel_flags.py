@@ -17,7 +17,8 @@ import statistics
 import torch
 from tqdm import tqdm
 
-from services.bench.host_kernels import DENSE, last_level_cache_bytes, matrix_copies, time_cycle
+from services.bench.bandwidth import last_level_cache_bytes, time_cycle
+from services.bench.host_kernels import DENSE, matrix_copies
 from services.common.report import bar_plot, markdown_table, run_header, write_json, write_markdown
 from services.engine import cpu_kernels
 from services.engine.cpu_threads import use_threads

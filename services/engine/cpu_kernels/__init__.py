@@ -248,7 +248,7 @@ def usable(x: torch.Tensor, pool_is_host: bool = False) -> bool:
     """Whether the kernels run for activations `x`: fp32 on the CPU, the library built, and the cores theirs:
     torch on one thread (a CPU engine), or `pool_is_host` (a CUDA engine's host experts: its torch keeps its
     threads for its own few CPU ops, and the pool is sized for the host's math, cpu_threads.apply_threads)."""
-    return (x.dtype == torch.float32 and x.device.type == "cpu" and (pool_is_host or torch.get_num_threads() == 1)
+    return (x.dtype == torch.float32 and x.is_cpu and (pool_is_host or torch.get_num_threads() == 1)
             and library() is not None)
 
 
