@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
-from collections.abc import Sequence
 
-from services.engine.expert_format import DEFAULT_GROUP_SIZE, EXPERT_DTYPES, GROUP_SIZES
+from services.bench import cli_cpu
+from services.bench.cli_args import expert_dtypes, fractions, numbers, parse_policies, require_model
+from services.engine.expert_format import DEFAULT_GROUP_SIZE, GROUP_SIZES
 
 
 def _engine(args: argparse.Namespace) -> int:
     from services.bench.engine_bench import run_engine_bench
 
-    _require_model(args.model)
+    require_model(args.model)
     if args.repeats < 1 or args.new_tokens < 2:
         raise ValueError("--repeats must be >= 1 and --new-tokens >= 2")
     run_engine_bench(args.model, args.json, args.repeats, args.new_tokens, args.prompt_len, args.prefill_len, args.dtype)
@@ -23,7 +23,7 @@ def _engine(args: argparse.Namespace) -> int:
 def _gateway(args: argparse.Namespace) -> int:
     from services.bench.gateway_bench import run_gateway_bench
 
-    _require_model(args.model)
+    require_model(args.model)
     if args.concurrency < 1 or args.rounds < 1 or args.max_tokens < 2 or args.prompt_words < 1:
         raise ValueError("--concurrency, --rounds and --prompt-words must be >= 1 and --max-tokens >= 2")
     if not 0 <= args.batch_window_ms <= 1000:
@@ -34,52 +34,19 @@ def _gateway(args: argparse.Namespace) -> int:
     return 0
 
 
-def _require_model(model: str) -> None:
-    if not os.path.isfile(os.path.join(model, "config.json")):
-        raise FileNotFoundError(f"no model (config.json) in {model}")
-
-
-def _policies(text: str) -> list[str]:
-    from services.engine.offload.eviction import EVICTION_POLICIES
-    from services.engine.offload.policies import POLICIES
-
-    policies = [p for item in text.split(",") for p in (POLICIES if item == "all" else [item])]
-    unknown = [p for p in policies if p.partition("@")[0] not in POLICIES
-               or p.partition("@")[2] not in ("", *EVICTION_POLICIES)]
-    if unknown:
-        raise ValueError(f"unknown policies {unknown}; choose from: {', '.join(POLICIES)} or all "
-                         f"(POLICY@EVICTION swaps the eviction: {', '.join(EVICTION_POLICIES)})")
-    return policies
-
-
-def _fractions(text: str) -> list[float]:
-    """'25%,50%' or '0.25,0.5' -> [0.25, 0.5]."""
-    out = [float(t[:-1]) / 100 if t.endswith("%") else float(t) for t in text.split(",") if t]
-    if not out or any(not 0 < f <= 1 for f in out):
-        raise ValueError(f"cache fractions must be in (0, 1] (or 1%-100%), got {text!r}")
-    return out
-
-
-def _numbers(text: str, kind: type) -> list:
-    out = [kind(t) for t in text.split(",") if t]
-    if not out or any(v <= 0 for v in out):
-        raise ValueError(f"expected a comma-separated list of positive numbers, got {text!r}")
-    return out
-
-
 def _offload(args: argparse.Namespace) -> int:
     from services.bench.offload_bench import run_offload_bench
 
-    _require_model(args.model)
-    policies = _policies(args.policies)
+    require_model(args.model)
+    policies = parse_policies(args.policies)
     if "resident" not in policies:
         policies.insert(0, "resident")  # the reference every other policy is compared against
     if args.new_tokens < 2 or args.repeats < 1:
         raise ValueError("--new-tokens must be >= 2 and --repeats >= 1")
     run_offload_bench(
-        args.model, policies, _fractions(args.cache), _numbers(args.link_ratio, float),
-        _numbers(args.batch, int), args.json, args.plot, args.new_tokens, args.repeats, args.device, args.link,
-        _expert_dtypes(args.expert_dtypes), args.expert_group_size, args.hot_set_from,
+        args.model, policies, fractions(args.cache), numbers(args.link_ratio, float),
+        numbers(args.batch, int), args.json, args.plot, args.new_tokens, args.repeats, args.device, args.link,
+        expert_dtypes(args.expert_dtypes), args.expert_group_size, args.hot_set_from,
     )
     return 0
 
@@ -87,18 +54,18 @@ def _offload(args: argparse.Namespace) -> int:
 def _online(args: argparse.Namespace) -> int:
     from services.bench.online_bench import run_online_bench
 
-    _require_model(args.model)
-    policies = _policies(args.policies)
+    require_model(args.model)
+    policies = parse_policies(args.policies)
     slos = {k: float(v) for k, v in (item.split(":") for item in args.goodput)}
     run_online_bench(args.model, policies, args.json, args.duration, args.speedup, args.max_context,
-                     _fractions(args.cache)[0], _numbers(args.link_ratio, float)[0], slos, args.prompts)
+                     fractions(args.cache)[0], numbers(args.link_ratio, float)[0], slos, args.prompts)
     return 0
 
 
 def _itl_target(args: argparse.Namespace) -> int:
     from services.bench.itl_bench import run_itl_bench
 
-    _require_model(args.model)
+    require_model(args.model)
     targets = [None if t == "none" else float(t) for t in args.targets.split(",") if t]
     if not targets or any(t is not None and t <= 0 for t in targets):
         raise ValueError(f"--targets: comma-separated milliseconds > 0 or none; got {args.targets!r}")
@@ -107,27 +74,12 @@ def _itl_target(args: argparse.Namespace) -> int:
     return 0
 
 
-def _choices(text: str, allowed: Sequence[str], flag: str) -> list[str]:
-    """A comma-separated list of some of `allowed`, or a one-line error naming `flag`."""
-    chosen = [c for c in text.split(",") if c]
-    if not chosen or any(c not in allowed for c in chosen):
-        raise ValueError(f"{flag}: comma-separated {', '.join(allowed)}; got {text!r}")
-    return chosen
-
-
-def _expert_dtypes(text: str) -> tuple[str, ...]:
-    dtypes = tuple(d for d in text.split(",") if d)
-    if not dtypes or any(d not in EXPERT_DTYPES for d in dtypes):
-        raise ValueError(f"expert dtypes: comma-separated {', '.join(EXPERT_DTYPES)}; got {text!r}")
-    return dtypes
-
-
 def _quant(args: argparse.Namespace) -> int:
     from services.bench.quant_bench import run_quant_bench
 
-    _require_model(args.model)
-    dtypes = list(_expert_dtypes(args.expert_dtypes))
-    groups = _numbers(args.group_sizes, int)
+    require_model(args.model)
+    dtypes = list(expert_dtypes(args.expert_dtypes))
+    groups = numbers(args.group_sizes, int)
     if any(g not in GROUP_SIZES for g in groups):
         raise ValueError(f"--group-sizes must be among {', '.join(map(str, GROUP_SIZES))}; got {args.group_sizes!r}")
     if args.prompts < 1 or args.new_tokens < 1 or args.prompt_len < 1:
@@ -138,62 +90,24 @@ def _quant(args: argparse.Namespace) -> int:
     return 0
 
 
-def _quant_kernels(args: argparse.Namespace) -> int:
-    from services.bench.quant_kernels import run_quant_kernels
-
-    run_quant_kernels(args.out)
-    return 0
-
-
 def _vs_vllm(args: argparse.Namespace) -> int:
     from services.bench.vs_vllm import Workload, run_vs_vllm
 
-    _require_model(args.model)
+    require_model(args.model)
     if args.vllm_python is not None and not os.path.isfile(args.vllm_python):
         raise FileNotFoundError(f"--vllm-python: no such interpreter {args.vllm_python}")
     if args.input_len < 1 or args.output_len < 2 or args.prompts_per_concurrency < 1 or args.rounds < 1:
         raise ValueError("--input-len, --prompts-per-concurrency and --rounds must be >= 1 and --output-len >= 2")
     load = Workload(args.input_len, args.output_len, args.prompts_per_concurrency)
-    run_vs_vllm(args.model, args.vllm_python, _numbers(args.concurrency, int), args.json, load, args.rounds)
-    return 0
-
-
-def _kernel_flags(args: argparse.Namespace) -> int:
-    from services.bench.host_kernels import FORMATS, default_threads
-    from services.bench.kernel_flags import KINDS, baseline_flags, run_kernel_flags
-
-    if bool(args.flags) == bool(args.replace_flags):
-        raise ValueError("give --flags (added to this machine's build flags) or --replace-flags, not both")
-    formats, kinds = _choices(args.formats, FORMATS, "--formats"), _choices(args.kinds, KINDS, "--kinds")
-    if args.rounds < 1 or args.min_seconds <= 0 or (args.cycle_mb is not None and args.cycle_mb <= 0):
-        raise ValueError("--rounds must be >= 1 and --min-seconds and --cycle-mb positive")
-    candidate = shlex.split(args.replace_flags) if args.replace_flags else baseline_flags() + shlex.split(args.flags)
-    threads = _numbers(args.threads, int) if args.threads else default_threads()
-    cycle = int(args.cycle_mb * 1e6) if args.cycle_mb else None
-    result = run_kernel_flags(args.json, candidate, formats, kinds, _numbers(args.rows, int), threads, args.rounds,
-                              args.min_seconds, cycle)
-    print(f"wrote {args.json} ({len(result['results'])} cases)")
-    return 0
-
-
-def _host_kernels(args: argparse.Namespace) -> int:
-    from services.bench.host_kernels import FORMATS, default_threads, run_host_kernels
-
-    formats = _choices(args.formats, FORMATS, "--formats")
-    if args.min_seconds <= 0 or (args.cycle_mb is not None and args.cycle_mb <= 0):
-        raise ValueError("--min-seconds and --cycle-mb must be positive")
-    threads = _numbers(args.threads, int) if args.threads else default_threads()
-    cycle = int(args.cycle_mb * 1e6) if args.cycle_mb else None
-    result = run_host_kernels(args.json, formats, _numbers(args.rows, int), threads, args.min_seconds, cycle)
-    print(f"wrote {args.json} ({len(result['results'])} cases)")
+    run_vs_vllm(args.model, args.vllm_python, numbers(args.concurrency, int), args.json, load, args.rounds)
     return 0
 
 
 def _prefill(args: argparse.Namespace) -> int:
     from services.bench.prefill_bench import run_prefill_bench
 
-    _require_model(args.model)
-    budgets = _numbers(args.budgets, int)
+    require_model(args.model)
+    budgets = numbers(args.budgets, int)
     if args.long_tokens < 2 or min(args.prefix_tokens, args.threads, args.running, args.running_context) < 1:
         raise ValueError("--long-tokens must be at least 2, --prefix-tokens, --threads, --running and "
                          "--running-context at least 1")
@@ -205,28 +119,10 @@ def _prefill(args: argparse.Namespace) -> int:
     return 0
 
 
-def _vs_llamacpp(args: argparse.Namespace) -> int:
-    from services.bench.llamacpp import llama_importable
-    from services.bench.vs_llamacpp import FORMATS, Workload, run_vs_llamacpp
-
-    _require_model(args.model)
-    formats = _choices(args.formats, FORMATS, "--formats")
-    if args.rounds < 1 or args.prompt_len < 8 or args.new_tokens < 2 or args.prefill_len < 1:
-        raise ValueError("--rounds and --prefill-len must be >= 1, --prompt-len >= 8 and --new-tokens >= 2")
-    if not llama_importable(args.llama_python):
-        raise ValueError(f"--llama-python: llama_cpp is not importable with {args.llama_python}")
-    gguf_dir = args.gguf_dir or args.model.rstrip("/") + "-gguf"
-    load = Workload(args.prompt_len, args.new_tokens, args.prefill_len)
-    result = run_vs_llamacpp(args.model, args.llama_python, args.llama_cpp_src, gguf_dir, formats,
-                             _numbers(args.threads, int), args.json, load, args.rounds)
-    print(f"wrote {args.json} ({len(result['formats'])} formats, {args.rounds} rounds)")
-    return 0
-
-
 def _all(args: argparse.Namespace) -> int:
     from services.bench.suite import run_all
 
-    _require_model(args.model)
+    require_model(args.model)
     print(f"report: {run_all(args.model, args.out, args.run_command, args.quick)}")
     return 0
 
@@ -239,7 +135,7 @@ def _hints(args: argparse.Namespace) -> int:
     shape.validate()
     if args.steps < 1 or args.interval_ms < 0 or args.horizon < 0:
         raise ValueError("--steps must be >= 1, --interval-ms and --horizon >= 0")
-    run_hints_bench(args.redis_url, args.predictor, shape, _numbers(args.batch, int), args.steps,
+    run_hints_bench(args.redis_url, args.predictor, shape, numbers(args.batch, int), args.steps,
                     args.interval_ms, args.horizon, args.json)
     return 0
 
@@ -338,10 +234,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     quant.add_argument("--json", default="bench/results/quant.json")
     quant.set_defaults(func=_quant)
 
-    kernels = kinds.add_parser("quant-kernels", help="weight-only int8/int4 matmul kernels on one demo-model expert")
-    kernels.add_argument("--out", default="bench/results", help="folder for quant_kernels.{json,md}")
-    kernels.set_defaults(func=_quant_kernels)
-
     vs_vllm = kinds.add_parser("vs-vllm", help="hintserve serve vs vLLM's server, both driven by vLLM's client")
     vs_vllm.add_argument("--model", default="models/demo-moe")
     vs_vllm.add_argument("--vllm-python", default=None,
@@ -357,32 +249,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     vs_vllm.add_argument("--json", default="bench/results/vs_vllm.json")
     vs_vllm.set_defaults(func=_vs_vllm)
 
-    host = kinds.add_parser("host-kernels", help="CPU expert/dense kernels per format: GB/s against a bandwidth probe")
-    host.add_argument("--formats", default="fp32,bf16,int8,int4")
-    host.add_argument("--rows", default="1,4,16,64", help="tokens per call, e.g. 1,4,16,64")
-    host.add_argument("--threads", default=None, help="torch threads, e.g. 1,2 (default 1 .. cores)")
-    host.add_argument("--min-seconds", type=float, default=0.3, help="timed seconds per case at least")
-    host.add_argument("--cycle-mb", type=float, default=None,
-                      help="weight bytes cycled per pass (default twice the last-level cache per thread: DRAM, "
-                           "not cache)")
-    host.add_argument("--json", default="bench/results/host_kernels.json")
-    host.set_defaults(func=_host_kernels)
-
-    flags = kinds.add_parser("kernel-flags", help="two builds of the CPU kernels against each other in one process "
-                                                 "(tuning macros, e.g. -DSW_PREFETCH=0)")
-    flags.add_argument("--flags", default="", help="added to this machine's build flags, written with '=': --flags=-DPREFETCH_BYTES=2048")
-    flags.add_argument("--replace-flags", default="", help="the candidate's whole flag list instead")
-    flags.add_argument("--formats", default="int8,int4")
-    flags.add_argument("--kinds", default="expert", help="expert, q_proj, o_proj, lm_head (comma-separated)")
-    flags.add_argument("--rows", default="1,16", help="tokens per call, e.g. 1,16")
-    flags.add_argument("--threads", default=None, help="e.g. 1,2 (default 1 .. cores)")
-    flags.add_argument("--rounds", type=int, default=6, help="rounds per case, alternating which build goes first")
-    flags.add_argument("--min-seconds", type=float, default=0.2, help="timed seconds per case and build a round")
-    flags.add_argument("--cycle-mb", type=float, default=None,
-                       help="weight bytes cycled per pass (default twice the last-level cache per thread)")
-    flags.add_argument("--json", default="bench/results/kernel_flags.json")
-    flags.set_defaults(func=_kernel_flags)
-
     prefill = kinds.add_parser("prefill", help="long prompts in chunks beside a running request; prompts "
                                "sharing a prefix with prefix caching off and on")
     prefill.add_argument("--model", required=True, help="HF folder")
@@ -397,22 +263,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     prefill.add_argument("--json", default="bench/results/prefill.json")
     prefill.set_defaults(func=_prefill)
 
-    llama = kinds.add_parser("vs-llamacpp", help="llama.cpp vs hintserve at batch 1, format by format (GGUF)")
-    llama.add_argument("--model", required=True,
-                       help="HF folder, e.g. from `demo-model build --shape qwen3-30b-a3b --random` (GBs: keep it "
-                            "outside the repository)")
-    llama.add_argument("--llama-python", required=True, help="interpreter with llama-cpp-python installed")
-    llama.add_argument("--llama-cpp-src", default=None,
-                       help="llama.cpp source tree (convert_hf_to_gguf.py, gguf-py); needed to convert the GGUFs")
-    llama.add_argument("--gguf-dir", default=None, help="where the GGUF files go (default: MODEL-gguf)")
-    llama.add_argument("--formats", default="f32,bf16,q8_0,q4_0")
-    llama.add_argument("--threads", default="1,2")
-    llama.add_argument("--rounds", type=int, default=3, help="rounds, the systems' order flipping each round")
-    llama.add_argument("--prompt-len", type=int, default=32)
-    llama.add_argument("--new-tokens", type=int, default=64)
-    llama.add_argument("--prefill-len", type=int, default=512)
-    llama.add_argument("--json", default="bench/results/vs_llamacpp.json")
-    llama.set_defaults(func=_vs_llamacpp)
+    cli_cpu.register(kinds)
 
     suite = kinds.add_parser("all", help="every benchmark, then bench/results/REPORT.md")
     suite.add_argument("--model", default="models/demo-moe")

@@ -79,7 +79,7 @@ def _simulate(args: argparse.Namespace) -> int:
         return _calibration()
     if args.engine_check:
         return _engine_check(args.engine_check, args.json)
-    from services.bench.cli import _policies as parse_policies
+    from services.bench.cli_args import parse_policies
     from services.engine.offload.policies import get_policy
     from services.predictor.traces import load_traces
     from services.simulator.hardware import RooflineCost, get_hardware
