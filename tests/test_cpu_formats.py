@@ -262,9 +262,9 @@ def test_the_native_swiglu_is_torchs_to_float_rounding() -> None:
 
 
 _PORTABLE = """
-import torch, torch.nn.functional as F
+import os, torch, torch.nn.functional as F
 from services.engine import cpu_kernels
-cpu_kernels._FLAG_SETS = (["-O3", "-march=x86-64"],)  # no AVX-512: the portable C loops
+os.environ["HINTSERVE_KERNEL_FLAGS"] = "-O3 -march=x86-64"  # no AVX-512: the portable C loops
 assert cpu_kernels.library().hs_isa() == b"portable C"
 from services.engine.cpu_kernels import formats
 g = torch.Generator().manual_seed(1)
@@ -446,17 +446,13 @@ def test_one_row_pairs_compute_the_single_tiles_bits(tmp_path, monkeypatch) -> N
     hs_rows_item): the same operations in the same order as one chunk at a time, so the same bits as a build
     with the pairs turned off, every format (those without a pair loop on this CPU compare with themselves)."""
     import ctypes
-    import os
-    import shlex
-    import shutil
 
     if cpu_kernels.library() is None or platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the native kernels are not built here, or this is not x86 (the pairs are x86 loops)")
     monkeypatch.setenv("HINTSERVE_KERNEL_CACHE", str(tmp_path))
-    flags = shlex.split(os.environ.get("HINTSERVE_KERNEL_FLAGS", "")) or cpu_kernels._FLAG_SETS[0]  # the loaded build's
-    unpaired = ctypes.CDLL(str(cpu_kernels._build(shutil.which(os.environ.get("CC") or "cc") or "cc", [
-        *flags, *(f"-D{fmt}_PAIRS=0" for fmt in ("Q4", "Q8", "BF16", "F32"))])))
-    unpaired.hs_linear.argtypes = cpu_kernels.loaded().hs_linear.argtypes
+    unpaired = cpu_kernels.build_library([[*cpu_kernels.flag_sets()[0],  # the loaded build's, and:
+                                           *(f"-D{fmt}_PAIRS=0" for fmt in ("Q4", "Q8", "BF16", "F32"))]])
+    assert unpaired is not None
     g = torch.Generator().manual_seed(11)
     x = torch.randn(1, 512, generator=g)
     for fmt in formats.FORMAT_IDS:

@@ -9,7 +9,7 @@ bandwidth (weight-only int8/int4) or paid a dozen small ops per expert and layer
 each cached key and value once, in place. The older fp32 expert kernels (`expert_f32.c`: `moe_swiglu`, `expert_rows`) still
 serve stacked experts whose widths the newer ones do not take and the offload path's gather and scatter.
 
-The sources are compiled at first use with the system C compiler (`$CC`, else `cc`), -O3 -march=native -fno-math-errno, into
+The sources are compiled (`build.py`) at first use with the system C compiler (`$CC`, else `cc`), -O3 -march=native -fno-math-errno, into
 a per-user cache keyed by the sources, flags and CPU; nothing to build at install time, no torch headers (a few
 seconds). Without a compiler, or with HINTSERVE_CPU_KERNELS=0, `library()` is None and callers keep torch's
 path. HINTSERVE_KERNEL_FLAGS (e.g. "-O3 -mavx2 -mfma -mno-avx512f -fno-math-errno") replaces the flags: to
@@ -22,70 +22,20 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import hashlib
-import logging
 import os
 import shlex
-import shutil
-import subprocess
-import tempfile
 import threading
-from collections.abc import Iterator, Sequence
-from pathlib import Path
+from collections.abc import Iterator
 
 import torch
 
-log = logging.getLogger(__name__)
+from services.engine.cpu_kernels.build import FLAG_SETS
+from services.engine.cpu_kernels.build import SOURCES as SOURCES
+from services.engine.cpu_kernels.build import build_library as build_library
+from services.engine.cpu_kernels.build import cache_dir as cache_dir
 
-SOURCES = [Path(__file__).with_name(name) for name in (
-    "expert_f32.c", "attention.c", "norm_rope.c", "threadpool.c", "matmul.c", "rows.c", "moe.c", "layer.c", "amx.c",
-    "amx_q4.c", "quantize.c", "convert.c")]
-HEADERS = [Path(__file__).with_name(name) for name in (
-    "hs.h", "vec.h", "amx.h", "dequant_avx512.h", "rows_tuning.h", "rows_float.h", "rows_float_tiles.h",
-    "rows_int_avx512.h", "rows_int_avx2.h", "rows_int_portable.h", "rows_neon.h")]
-# The second where the compiler knows no -march=native. -fno-math-errno: lrintf inline, not a libm call per element.
-_FLAG_SETS: tuple[list[str], ...] = (["-O3", "-march=native", "-fno-math-errno"], ["-O3", "-fno-math-errno"])
 _ROWS = 8  # expert_f32.c's ROWS: tokens per expert GEMM pass
 _NT_ROWS = 4  # expert_f32.c's NT_ROWS: tokens per pass of expert_rows_f32
-_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-
-
-def cache_dir() -> Path:
-    """Where built kernels live: $HINTSERVE_KERNEL_CACHE, else $XDG_CACHE_HOME/hintserve/kernels."""
-    if os.environ.get("HINTSERVE_KERNEL_CACHE"):
-        return Path(os.environ["HINTSERVE_KERNEL_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "hintserve" / "kernels"
-
-
-def _cpu_identity() -> str:
-    """-march=native builds for this CPU: the cache must not hand its library to another one."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "".join(line for line in f if line.startswith(("model name", "flags", "Features")))[:8192]
-    except OSError:
-        return os.uname().machine
-
-
-def _build(compiler: str, flags: list[str]) -> Path:
-    source = b"\0".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
-    key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(flags).encode(),
-                                     _cpu_identity().encode()])).hexdigest()[:16]
-    target = cache_dir() / f"hintserve_kernels_{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *flags, "-fPIC", "-shared", "-o", tmp, *map(str, SOURCES), "-lpthread", "-lm"],
-                       check=True, capture_output=True, text=True, timeout=120)
-        os.replace(tmp, target)  # atomic: a concurrent builder's copy is as good as ours
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
 
 _swapped: ctypes.CDLL | None = None  # `swapped_in`'s build, while one runs
 
@@ -105,73 +55,12 @@ def _default_library() -> ctypes.CDLL | None:
 def flag_sets() -> tuple[list[str], ...]:
     """The compiler flags `library()` tries, in order: $HINTSERVE_KERNEL_FLAGS alone where set."""
     env = os.environ.get("HINTSERVE_KERNEL_FLAGS")
-    return (shlex.split(env),) if env else _FLAG_SETS
+    return (shlex.split(env),) if env else FLAG_SETS
 
 
 def forget_library() -> None:
     """Build again at the next `library()` call (after HINTSERVE_KERNEL_FLAGS or HINTSERVE_CPU_KERNELS changed)."""
     _default_library.cache_clear()
-
-
-def build_library(flag_sets: Sequence[list[str]]) -> ctypes.CDLL | None:
-    """The kernels built with the first of `flag_sets` that compiles (cached per flags), or None (said once)."""
-    compiler = shutil.which(os.environ.get("CC") or "cc")
-    if compiler is None:
-        log.warning("no C compiler found ($CC or cc): native CPU kernels off, torch's path runs instead")
-        return None
-    error = ""
-    for flags in flag_sets:
-        try:
-            lib = ctypes.CDLL(str(_build(compiler, flags)))
-            break
-        except subprocess.CalledProcessError as exc:
-            lines = (exc.stderr or "").strip().splitlines()
-            error = lines[-1] if lines else str(exc)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            error = str(exc)
-    else:
-        log.warning("building native CPU kernels failed (%s): torch's path runs instead", error)
-        return None
-    lib.moe_swiglu_f32.restype = ctypes.c_int
-    lib.moe_swiglu_f32.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr]
-    lib.paged_decode_attention_f32.restype = ctypes.c_int
-    lib.paged_decode_attention_f32.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64,
-                                               _i64, _i64, _i64, _f32, _ptr]
-    lib.linear_rows_f32.restype = None
-    lib.linear_rows_f32.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
-    lib.expert_rows_f32.restype = None
-    lib.expert_rows_f32.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr]
-    lib.rms_norm_f32.restype = None
-    lib.rms_norm_f32.argtypes = [_ptr, _ptr, _ptr, _f32, _ptr, _ptr, _i64, _i64]
-    lib.hs_linear.restype = ctypes.c_int
-    lib.hs_linear.argtypes = [_ptr, _ptr, _i64, _ptr, _i64, _i64]
-    lib.hs_moe.restype = ctypes.c_int
-    lib.hs_moe.argtypes = [_ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr]
-    lib.hs_quantize.restype = ctypes.c_int
-    lib.hs_quantize.argtypes = [_i64, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr]
-    lib.hs_quantize_grid.restype = ctypes.c_int
-    lib.hs_quantize_grid.argtypes = [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr]
-    lib.hs_route_softmax.restype = ctypes.c_int
-    lib.hs_route_softmax.argtypes = [_ptr, _ptr, _i64, _i64, _i64, ctypes.c_int, _ptr, _ptr, _ptr]
-    lib.hs_decode_layer.restype = ctypes.c_int
-    lib.hs_decode_layer.argtypes = [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr,
-                                    _ptr, _ptr, _ptr]
-    lib.hs_decode_layer_work.restype = _i64
-    lib.hs_decode_layer_work.argtypes = [_ptr, _i64]
-    lib.hs_convert.restype = ctypes.c_int
-    lib.hs_convert.argtypes = [_ptr, _ptr, _i64, ctypes.c_int]
-    lib.hs_isa.restype = ctypes.c_char_p
-    lib.hs_amx_rows.restype = ctypes.c_int
-    lib.hs_amx_rows.argtypes = [_i64]
-    lib.hs_set_threads.restype = ctypes.c_int
-    lib.hs_set_threads.argtypes = [ctypes.c_int]
-    lib.hs_threads.restype = ctypes.c_int
-    lib.hs_read_probe.restype = ctypes.c_uint64
-    lib.hs_read_probe.argtypes = [_ptr, _i64]
-    lib.rope_write_kv_f32.restype = ctypes.c_int
-    lib.rope_write_kv_f32.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64,
-                                      _ptr, _ptr, _f32]
-    return lib
 
 
 @contextlib.contextmanager
