@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from services.engine import cpu_kernels
 from services.engine.config import EngineConfig
-from services.engine.cpu_kernels import formats
+from services.engine.cpu_kernels import formats, moe_calls
 from services.engine.quant import groupwise
 from services.engine.quant.groupwise import (
     dequantize_int4,
@@ -152,7 +152,7 @@ def test_one_call_moe_is_the_per_expert_sum(fmt: str, pool: int) -> None:
     x = torch.randn(tokens, hidden, generator=g)
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
     weights = torch.rand(tokens, top_k, generator=g)
-    out = formats.moe(x, ids, weights, formats.native_array(gate_up), formats.native_array(down), hidden)
+    out = moe_calls.moe(x, ids, weights, moe_calls.native_array(gate_up), moe_calls.native_array(down), hidden)
     expected = torch.zeros(tokens, hidden)
     for t in range(tokens):
         for e, wt in zip(ids[t].tolist(), weights[t].tolist()):
@@ -160,7 +160,7 @@ def test_one_call_moe_is_the_per_expert_sum(fmt: str, pool: int) -> None:
             expected[t] += wt * F.linear(F.silu(gate) * up, formats.dequantize(down[e]))
     assert _relative_error(out, expected) < 2 * TOLERANCE[fmt]
     with pytest.raises(ValueError, match="expert id out of range"):
-        formats.moe(x, ids + experts, weights, formats.native_array(gate_up), formats.native_array(down), hidden)
+        moe_calls.moe(x, ids + experts, weights, moe_calls.native_array(gate_up), moe_calls.native_array(down), hidden)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -180,7 +180,7 @@ def test_a_call_larger_than_one_pass_of_intermediates_is_still_the_per_expert_su
     else:
         ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
     weights = torch.rand(tokens, top_k, generator=g)
-    out = formats.moe(x, ids, weights, formats.native_array(gate_up), formats.native_array(down), hidden)
+    out = moe_calls.moe(x, ids, weights, moe_calls.native_array(gate_up), moe_calls.native_array(down), hidden)
     expected = torch.zeros(tokens, hidden)
     for e in range(experts):
         gate, up = F.linear(x, formats.dequantize(gate_up[e])).chunk(2, dim=-1)
@@ -220,6 +220,7 @@ _RESIZE_THEN_RUN = """
 import torch
 from services.engine import cpu_kernels
 from services.engine.cpu_kernels import formats
+from services.engine.cpu_kernels import moe_calls
 m = formats.pack(torch.randn(64, 128), "int8")
 x = torch.randn(2, 128)
 for i in range(2000):
@@ -240,13 +241,13 @@ def test_a_job_right_after_the_pool_grows_is_joined_by_every_worker() -> None:
 @pytest.mark.parametrize("intermediate", [192, 100])  # 100: the vector SwiGLU's padded tail
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_split_experts_host_half_is_the_swiglu_activation(fmt: str, intermediate: int) -> None:
-    """formats.expert without down: the gate/up half a split expert computes on the host, [T, I]."""
+    """moe_calls.expert without down: the gate/up half a split expert computes on the host, [T, I]."""
     g = torch.Generator().manual_seed(3)
     gate_up = formats.pack(torch.randn(2 * intermediate, 128, generator=g) * 0.1, fmt, 64)
     x = torch.randn(5, 128, generator=g)
     gate, up = F.linear(x, formats.dequantize(gate_up)).chunk(2, dim=-1)
     expected = F.silu(gate) * up
-    got = formats.expert(x, gate_up, None)
+    got = moe_calls.expert(x, gate_up, None)
     assert got.shape == (5, intermediate) and _relative_error(got, expected) < TOLERANCE[fmt]
 
 
@@ -256,7 +257,7 @@ def test_the_native_swiglu_is_torchs_to_float_rounding() -> None:
     gate_up = formats.pack(torch.eye(2 * 40, 128), "fp32", 64)  # out = x's first 80 inputs: gate, then up
     x = torch.randn(3, 128, generator=g) * 30
     x[0, :4] = torch.tensor([-120.0, -88.0, 88.0, 120.0])
-    got = formats.expert(x, gate_up, None)
+    got = moe_calls.expert(x, gate_up, None)
     expected = F.silu(x[:, :40]) * x[:, 40:80]
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-30)
 
@@ -267,6 +268,7 @@ from services.engine import cpu_kernels
 os.environ["HINTSERVE_KERNEL_FLAGS"] = "-O3 -march=x86-64"  # no AVX-512: the portable C loops
 assert cpu_kernels.library().hs_isa() == b"portable C"
 from services.engine.cpu_kernels import formats
+from services.engine.cpu_kernels import moe_calls
 g = torch.Generator().manual_seed(1)
 for threads in (1, 2):
     cpu_kernels.set_threads(threads)
@@ -294,6 +296,7 @@ _AVX2 = """
 import sys, torch, torch.nn.functional as F
 from services.engine import cpu_kernels
 from services.engine.cpu_kernels import formats
+from services.engine.cpu_kernels import moe_calls
 isa = cpu_kernels.library().hs_isa().decode()
 assert isa == sys.argv[1], isa
 tolerance = {"fp32": 1e-5, "bf16": 5e-3, "int8": 1.5e-2, "int4": 1.5e-2}  # test_cpu_formats' TOLERANCE
@@ -324,10 +327,10 @@ for threads in (1, 2):
                 gate, up = F.linear(row, formats.dequantize(gate_up[e])).chunk(2, dim=-1)
                 return F.linear(F.silu(gate) * up, formats.dequantize(down[e]))
 
-            assert error(formats.expert(x, gate_up[0], down[0]), swiglu(0, x)) < 2 * tolerance[fmt], (fmt, "expert")
+            assert error(moe_calls.expert(x, gate_up[0], down[0]), swiglu(0, x)) < 2 * tolerance[fmt], (fmt, "expert")
             ids = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(tokens)])
             weights = torch.rand(tokens, 2, generator=g)
-            out = formats.moe(x, ids, weights, formats.native_array(gate_up), formats.native_array(down), hidden)
+            out = moe_calls.moe(x, ids, weights, moe_calls.native_array(gate_up), moe_calls.native_array(down), hidden)
             expected = torch.stack([sum(w * swiglu(e, x[t]) for e, w in zip(ids[t].tolist(), weights[t].tolist()))
                                     for t in range(tokens)])
             assert error(out, expected) < 2 * tolerance[fmt], (fmt, "moe", threads)
@@ -373,18 +376,19 @@ def test_native_softmax_routing_is_torchs_up_to_the_products_summation_order(row
     g = torch.Generator().manual_seed(rows)
     router = torch.randn(128, 2048, generator=g) / 45
     x = torch.randn(rows, 2048, generator=g)
-    weights, ids, probs = formats.route_softmax(x, formats.pack(router, "fp32"), 8, renormalize)
+    weights, ids, probs = moe_calls.route_softmax(x, formats.pack(router, "fp32"), 8, renormalize)
     want = softmax_topk(F.linear(x, router), 8, renormalize)
     assert torch.equal(ids, want.experts)
     torch.testing.assert_close(weights, want.weights, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(probs, want.probs, rtol=1e-5, atol=1e-7)
-    tied = formats.route_softmax(torch.zeros(1, 2048), formats.pack(router, "fp32"), 3, renormalize)
+    tied = moe_calls.route_softmax(torch.zeros(1, 2048), formats.pack(router, "fp32"), 3, renormalize)
     assert tied[1].tolist() == [[0, 1, 2]] and torch.allclose(tied[2], torch.full((1, 128), 1 / 128))
 
 
 _TILE_PRODUCTS = """
 import sys, torch
 from services.engine.cpu_kernels import formats
+from services.engine.cpu_kernels import moe_calls
 out = {}
 for fmt in ("bf16", "int8", "int4"):
     g = torch.Generator().manual_seed(5)
@@ -400,7 +404,7 @@ for fmt in ("bf16", "int8", "int4"):
     out[fmt, "linear"] = formats.matmul(x, formats.pack(w, fmt, bias=bias))
     if fmt == "int4":  # two tile products a group
         out[fmt, "linear, groups of 128"] = formats.matmul(x, formats.pack(w, fmt, group=128, bias=bias))
-    out[fmt, "moe"] = formats.moe(tokens, ids, weights, formats.native_array(experts), formats.native_array(downs),
+    out[fmt, "moe"] = moe_calls.moe(tokens, ids, weights, moe_calls.native_array(experts), moe_calls.native_array(downs),
                                   256)
     # every expert at the fewest rows the tiles take (bf16 5, int8 and int4 10): each packed as 16, over three times the
     # assignments
@@ -408,8 +412,8 @@ for fmt in ("bf16", "int8", "int4"):
     experts = [formats.pack(torch.randn(128, 256, generator=g) * 0.05, fmt) for _ in range(many)]
     downs = [formats.pack(torch.randn(256, 64, generator=g) * 0.05, fmt) for _ in range(many)]
     ids = torch.stack([torch.arange(40) % many, (torch.arange(40) + many // 2) % many], dim=1)
-    out[fmt, "fewest rows"] = formats.moe(tokens[:40], ids, weights[:40], formats.native_array(experts),
-                                          formats.native_array(downs), 256)
+    out[fmt, "fewest rows"] = moe_calls.moe(tokens[:40], ids, weights[:40], moe_calls.native_array(experts),
+                                          moe_calls.native_array(downs), 256)
 torch.save(out, sys.argv[1])
 """
 

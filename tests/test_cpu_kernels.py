@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from services.engine import cpu_kernels
 from services.engine.config import EngineConfig
-from services.engine.cpu_kernels import formats
+from services.engine.cpu_kernels import moe_calls
 from services.engine.cpu_kernels.decode_layer import NativeDecodeLayer
 from services.engine.cpu_threads import intra_op_threads
 from services.engine.llm_engine import LLMEngine
@@ -158,7 +158,7 @@ def test_one_thread_engine_takes_both_kernels_with_the_same_greedy_text(monkeypa
     prompts = [[5, 17, 300, 42, 7, 99, 1200, 3], [900, 12, 64], list(range(100, 150))]
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     calls = {"attention": 0, "moe": 0}
-    attention_kernel, moe_kernel = cpu_kernels.paged_decode_attention, formats.moe
+    attention_kernel, moe_kernel = cpu_kernels.paged_decode_attention, moe_calls.moe
 
     def count(name, kernel):
         def counted(*args):
@@ -167,7 +167,7 @@ def test_one_thread_engine_takes_both_kernels_with_the_same_greedy_text(monkeypa
         return counted
 
     monkeypatch.setattr(attention.cpu_kernels, "paged_decode_attention", count("attention", attention_kernel))
-    monkeypatch.setattr(native_moe.formats, "moe", count("moe", moe_kernel))
+    monkeypatch.setattr(native_moe.moe_calls, "moe", count("moe", moe_kernel))
     # A decode step's layers run whole (decode_layer.py), their attention kernel inside: counted as attention.
     layer_call = NativeDecodeLayer.__call__
     monkeypatch.setattr(NativeDecodeLayer, "__call__", lambda self, *args: count("attention", layer_call)(self, *args))
@@ -229,7 +229,7 @@ def test_one_thread_offloaded_engine_takes_the_expert_kernel_with_the_same_greed
     prompts = [[5, 17, 300, 42, 7, 99, 1200, 3], list(range(100, 150))]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     calls = {"gate_up": 0, "down": 0}
-    kernel, whole = cpu_kernels.expert_rows, formats.moe
+    kernel, whole = cpu_kernels.expert_rows, moe_calls.moe
 
     def counted(x, gate_up, down, *args):
         calls["gate_up"] += gate_up is not None
@@ -242,7 +242,7 @@ def test_one_thread_offloaded_engine_takes_the_expert_kernel_with_the_same_greed
         return whole(*args)
 
     monkeypatch.setattr(cpu_kernels, "expert_rows", counted)
-    monkeypatch.setattr(formats, "moe", counted_whole)
+    monkeypatch.setattr(moe_calls, "moe", counted_whole)
     config = EngineConfig(offload_policy=policy, expert_cache_fraction=0.25, link_ratio=2.0, host_ratio=2.0)
     _same_text_with_and_without_kernels(monkeypatch, config, prompts, params, calls)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.engine import cpu_kernels
-from services.engine.cpu_kernels import formats
+from services.engine.cpu_kernels import formats, moe_calls
 from services.engine.cpu_threads import use_threads
 from services.engine.expert_provider import ExpertWeights, StoredWeights
 from services.engine.models.moe import expert_forward, swiglu
@@ -38,7 +38,7 @@ def _reference(x: torch.Tensor, w: StoredWeights) -> torch.Tensor:
     """The same expert through the uncached one-expert call."""
     gate_up, down = formats.as_cpu_matrix(w.gate_up), formats.as_cpu_matrix(w.down)
     assert gate_up is not None and down is not None
-    return formats.expert(x, gate_up, down)
+    return moe_calls.expert(x, gate_up, down)
 
 
 @pytest.mark.parametrize("dtype", ["auto", "bf16", "int8", "int4"])
@@ -50,7 +50,7 @@ def test_the_call_is_made_once_and_follows_a_refilled_buffer(dtype: str) -> None
     layout.pack(_dense(1), flat)
     first = expert_forward(x, w)
     call = w.native
-    assert isinstance(call, formats.ExpertCall)
+    assert isinstance(call, moe_calls.ExpertCall)
     assert torch.equal(first, _reference(x, w))
     layout.pack(_dense(2), flat)  # the slot now holds another expert, at the same addresses
     second = expert_forward(x, w)

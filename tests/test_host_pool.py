@@ -12,7 +12,7 @@ import torch
 
 from services.engine import cpu_kernels
 from services.engine.config import EngineConfig
-from services.engine.cpu_kernels import formats
+from services.engine.cpu_kernels import formats, moe_calls
 from services.engine.cpu_threads import apply_threads, compute_line, core_threads
 from services.engine.expert_provider import ExpertWeights, StoredWeights
 from services.engine.models.moe import expert_forward, pooled_expert, swiglu
@@ -67,14 +67,14 @@ def test_a_host_job_on_bf16_rows_takes_the_kernels_when_the_pool_is_the_hosts(to
     x = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(1)).bfloat16()
     gate_up, down = formats.as_cpu_matrix(w.gate_up), formats.as_cpu_matrix(w.down)
     assert gate_up is not None and down is not None
-    native = formats.expert(x.float(), gate_up, down).bfloat16()  # the kernels on the rows widened, exactly
+    native = moe_calls.expert(x.float(), gate_up, down).bfloat16()  # the kernels on the rows widened, exactly
     assert torch.equal(host_math(w, x, activation=False, pool_is_host=True), native)
     # Without the pool the same job is torch's bf16 product (the kernels would need torch on one thread).
     torch_path = host_math(w, x, activation=False, pool_is_host=False)
     assert torch.equal(torch_path, swiglu(x, w.gate_up, w.down)) and not torch.equal(torch_path, native)
     # A split expert's gate/up half the same way, in the device's dtype.
     half = host_math(w, x, activation=True, pool_is_host=True)
-    assert half.dtype == torch.bfloat16 and torch.equal(half, formats.expert(x.float(), gate_up, None).bfloat16())
+    assert half.dtype == torch.bfloat16 and torch.equal(half, moe_calls.expert(x.float(), gate_up, None).bfloat16())
 
 
 def test_the_host_executor_runs_its_jobs_on_the_pool(torch_on_two_threads: None) -> None:
@@ -108,13 +108,13 @@ def test_experts_in_one_call_give_each_row_what_a_call_each_gives(torch_on_two_t
     xs = [torch.randn(n, HIDDEN, generator=torch.Generator().manual_seed(10 + n)) for n in rows]
     calls = [call for x, w in zip(xs, experts) if (call := pooled_expert(x, w)) is not None]
     assert len(calls) == len(experts)
-    together = formats.run_experts(torch.cat(xs), calls, rows)
+    together = moe_calls.run_experts(torch.cat(xs), calls, rows)
     for part, x, w in zip(together.split(rows), xs, experts):
         assert torch.equal(part, expert_forward(x, w, pool_is_host=True))
     other = pooled_expert(xs[0], _stored("int8" if dtype != "int8" else "int4", 0))
     assert other is not None
     with pytest.raises(ValueError, match="one format and shape"):
-        formats.run_experts(torch.cat(xs[:2]), [calls[0], other], rows[:2])
+        moe_calls.run_experts(torch.cat(xs[:2]), [calls[0], other], rows[:2])
 
 
 def test_the_host_executor_computes_a_layers_whole_experts_in_one_call(torch_on_two_threads: None,
@@ -124,13 +124,13 @@ def test_the_host_executor_computes_a_layers_whole_experts_in_one_call(torch_on_
     from services.engine.offload import host_executor
 
     grouped: list[int] = []
-    run_experts = formats.run_experts
+    run_experts = moe_calls.run_experts
 
     def recorded(x, calls, rows):
         grouped.append(len(calls))
         return run_experts(x, calls, rows)
 
-    monkeypatch.setattr(host_executor.formats, "run_experts", recorded)
+    monkeypatch.setattr(host_executor.moe_calls, "run_experts", recorded)
     cpu_kernels.set_threads(2)
     int4 = [_stored("int4", seed) for seed in range(4)]
     int8, split = _stored("int8", 9), _bf16_expert(3)
@@ -145,7 +145,7 @@ def test_the_host_executor_computes_a_layers_whole_experts_in_one_call(torch_on_
         for job, want in zip(jobs, expected):
             assert torch.equal(job.result(), want)
         assert grouped == [4]
-        monkeypatch.setattr(host_executor.formats, "run_experts", lambda *_: (_ for _ in ()).throw(MemoryError("x")))
+        monkeypatch.setattr(host_executor.moe_calls, "run_experts", lambda *_: (_ for _ in ()).throw(MemoryError("x")))
         failing = [executor.submit(w, x) for w in int4[:2]]
         executor.flush()
         for job in failing:  # every job of the group says why

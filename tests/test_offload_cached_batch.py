@@ -15,7 +15,7 @@ import torch
 
 from services.engine import cpu_kernels, model_runner
 from services.engine.config import EngineConfig
-from services.engine.cpu_kernels import formats
+from services.engine.cpu_kernels import formats, moe_calls
 from services.engine.llm_engine import LLMEngine
 from services.engine.offload.resident_view import ResidentView
 from services.engine.sampling_params import SamplingParams
@@ -128,22 +128,22 @@ def test_left_out_experts_add_nothing_and_slots_are_read_through_matrix_of() -> 
     mats = [(formats.pack(torch.randn(2 * inner, hidden, generator=g) / 8, "bf16"),
              formats.pack(torch.randn(hidden, inner, generator=g) / 8, "bf16")) for _ in range(experts)]
     slots = list(reversed(mats))  # expert e lives in slot experts - 1 - e
-    gate_up = formats.native_array([m[0] for m in slots])
-    down = formats.native_array([m[1] for m in slots])
+    gate_up = moe_calls.native_array([m[0] for m in slots])
+    down = moe_calls.native_array([m[1] for m in slots])
     x = torch.randn(3, hidden, generator=g)
     ids = torch.tensor([[0, 2], [1, 3], [2, 1]])
     weights = torch.rand(3, 2, generator=g)
     matrix_of = (ctypes.c_int64 * experts)(3, -1, 1, 0)  # expert 1 left out
-    got = formats.moe(x, ids, weights, gate_up, down, hidden, matrix_of)
+    got = moe_calls.moe(x, ids, weights, gate_up, down, hidden, matrix_of)
     want = torch.zeros(3, hidden)
     for t in range(3):
         for k in range(2):
             e = int(ids[t, k])
             if e != 1:
-                want[t] += weights[t, k] * formats.expert(x[t : t + 1], *mats[e])[0]
+                want[t] += weights[t, k] * moe_calls.expert(x[t : t + 1], *mats[e])[0]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="out of range"):
-        formats.moe(x, ids, weights, gate_up, down, hidden, (ctypes.c_int64 * experts)(3, 2, 1, 4))
+        moe_calls.moe(x, ids, weights, gate_up, down, hidden, (ctypes.c_int64 * experts)(3, 2, 1, 4))
 
 
 @pytest.mark.parametrize(("policy", "cache"), [

@@ -33,6 +33,7 @@ from services.bench.bandwidth import (
 from services.common.report import bar_plot, markdown_table, run_header, write_json, write_markdown
 from services.engine import cpu_kernels
 from services.engine.cpu_kernels import formats as cpu_formats
+from services.engine.cpu_kernels import moe_calls
 from services.engine.cpu_threads import use_threads
 from services.engine.expert_format import DEFAULT_GROUP_SIZE
 from services.engine.expert_provider import ExpertWeights
@@ -137,7 +138,7 @@ def moe_groups(experts: Sequence[Any]) -> list[tuple[ctypes.Array, ctypes.Array]
         down = [d for _, d in matrices if d is not None]
         if len(gate_up) < TOP_K or len(down) < TOP_K:
             return []
-        groups.append((cpu_formats.native_array(gate_up), cpu_formats.native_array(down)))
+        groups.append((moe_calls.native_array(gate_up), moe_calls.native_array(down)))
     return groups
 
 
@@ -145,7 +146,7 @@ def moe_call(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Every row routed to all TOP_K experts of the group, as a decode token to its layer's top-k."""
     gate_up, down = group
     ids = torch.arange(TOP_K).expand(x.shape[0], TOP_K)
-    return cpu_formats.moe(x, ids, torch.full((x.shape[0], TOP_K), 1.0 / TOP_K), gate_up, down, HIDDEN)
+    return moe_calls.moe(x, ids, torch.full((x.shape[0], TOP_K), 1.0 / TOP_K), gate_up, down, HIDDEN)
 
 
 def _copy(layer: NativeLinear, alloc: cpu_formats.Allocator) -> NativeLinear:

@@ -13,7 +13,7 @@ import torch
 from services.engine.step_context import StepContext
 
 if TYPE_CHECKING:
-    from services.engine.cpu_kernels.formats import ExpertCall
+    from services.engine.cpu_kernels.moe_calls import ExpertCall
     from services.engine.models.fused_moe import StackedExperts
     from services.engine.models.native_moe import NativeExperts
     from services.engine.quant.packed import QuantizedExpertWeights

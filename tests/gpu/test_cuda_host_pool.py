@@ -43,8 +43,8 @@ def test_a_layers_host_experts_on_the_same_rows_share_one_copy_to_the_host(monke
     from services.engine.offload import host_executor
 
     calls: list[int] = []
-    run_experts = host_executor.formats.run_experts
-    monkeypatch.setattr(host_executor.formats, "run_experts",
+    run_experts = host_executor.moe_calls.run_experts
+    monkeypatch.setattr(host_executor.moe_calls, "run_experts",
                         lambda x, group, rows: calls.append(len(group)) or run_experts(x, group, rows))
     gen = torch.Generator().manual_seed(1)
     experts = [ExpertWeights((torch.randn(512, 256, generator=gen) / 16).bfloat16(),

@@ -1,8 +1,8 @@
 """Native CPU kernels: every weight format's matmul and a MoE layer in one call on one thread pool
 (`threadpool.c`, `matmul.c`, `rows.c` and its `rows_*.h` parts, `moe.c`; bf16, int8 and int4 at many rows on
-Intel AMX tiles in `amx.c` and `amx_q4.c`; the formats and their Python side in `formats.py`), fp32 paged
-decode attention (`attention.c`), RMSNorm and RoPE (`norm_rope.c`), and a decode step's whole layer chaining
-them (`layer.c`, `decode_layer.py`).
+Intel AMX tiles in `amx.c` and `amx_q4.c`; the formats and their Python side in `formats.py`, the calls that
+run experts in `moe_calls.py`), fp32 paged decode attention (`attention.c`), RMSNorm and RoPE (`norm_rope.c`),
+and a decode step's whole layer chaining them (`layer.c`, `decode_layer.py`).
 
 Why: decode on a CPU is bound by reading weights, and torch's paths read them at a third of the memory's
 bandwidth (weight-only int8/int4) or paid a dozen small ops per expert and layer; `attention.c` reads

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine import cpu_kernels
-from services.engine.cpu_kernels import formats
+from services.engine.cpu_kernels import formats, moe_calls
 from services.engine.expert_provider import ExpertProvider, ExpertWeights, HostSink, StoredWeights
 from services.engine.models.router import Routing
 from services.engine.quant.kernels import packed_swiglu
@@ -26,7 +26,7 @@ def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.
     return F.linear(swiglu_activation(x, gate_up), down)
 
 
-# From this many gate/up weights an fp32 expert runs on the kernels' pool (formats.expert): at Qwen3-30B-A3B's
+# From this many gate/up weights an fp32 expert runs on the kernels' pool (moe_calls.expert): at Qwen3-30B-A3B's
 # shape one thread's expert_rows streamed half the two-thread probe, and at 16 rows a third of the tiles' rate.
 POOLED_EXPERT_PARAMS = 1 << 20
 
@@ -45,16 +45,16 @@ def expert_forward(x: torch.Tensor, w: ExpertWeights | QuantizedExpertWeights, p
             return out
         call = _pool_call(w)
         if call is not None:
-            return formats.run_expert(x, call)
+            return moe_calls.run_expert(x, call)
     if isinstance(w, QuantizedExpertWeights):
         return packed_swiglu(x, w.gate_up, w.down)
     return expert_down(expert_activation(x, w.gate_up, pool_is_host), w.down, x.dtype, pool_is_host)
 
 
-def pooled_expert(x: torch.Tensor, w: ExpertWeights | QuantizedExpertWeights) -> formats.ExpertCall | None:
+def pooled_expert(x: torch.Tensor, w: ExpertWeights | QuantizedExpertWeights) -> moe_calls.ExpertCall | None:
     """The native call expert_forward computes this expert by on the kernels' pool, for rows like x where the
     kernels are usable (the caller's check), None where it takes another path: what several experts share in
-    one call (formats.run_experts) to give each row the same sums."""
+    one call (moe_calls.run_experts) to give each row the same sums."""
     return None if _runs_alone(w, x) else _pool_call(w)
 
 
@@ -63,11 +63,11 @@ def _runs_alone(w: ExpertWeights | QuantizedExpertWeights, x: torch.Tensor) -> T
             and cpu_kernels.widths_supported(x.shape[1]) and x.is_contiguous())
 
 
-def _pool_call(w: ExpertWeights | QuantizedExpertWeights) -> formats.ExpertCall | None:
+def _pool_call(w: ExpertWeights | QuantizedExpertWeights) -> moe_calls.ExpertCall | None:
     """Any CPU format's call on the pool, made on first use and kept beside the weights (False: none)."""
     call = w.native
     if call is None:
-        call = w.native = formats.expert_call(w.gate_up, w.down) or False
+        call = w.native = moe_calls.expert_call(w.gate_up, w.down) or False
     return call or None
 
 
@@ -89,7 +89,7 @@ def expert_activation(x: torch.Tensor, gate_up: torch.Tensor, pool_is_host: bool
     fp32 activations)."""
     matrix = formats.as_cpu_matrix(gate_up) if cpu_kernels.usable(x, pool_is_host) else None
     if matrix is not None:
-        return formats.expert(x, matrix, None)
+        return moe_calls.expert(x, matrix, None)
     return swiglu_activation(x if x.dtype == gate_up.dtype else x.to(gate_up.dtype), gate_up)
 
 
@@ -213,7 +213,7 @@ def moe_forward(
     for wait in (False, True) if native else ():
         batch = provider.cached_batch(layer, device, wait) if device else None
         if batch is not None:
-            summed = formats.moe(x, experts, weights, batch.slots.gate_up, batch.slots.down, x.shape[1],
+            summed = moe_calls.moe(x, experts, weights, batch.slots.gate_up, batch.slots.down, x.shape[1],
                                  batch.matrix_of)
             out = summed if out is None else out.add_(summed)
             device = [e for e in device if batch.matrix_of[e] < 0] if len(batch.experts) < len(device) else []

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from services.engine import cpu_kernels
-from services.engine.cpu_kernels import formats
+from services.engine.cpu_kernels import formats, moe_calls
 from services.engine.models.moe import record_routing
 from services.engine.models.router import Routing
 from services.engine.step_context import StepContext
@@ -40,7 +40,7 @@ class NativeExperts:
         matrices = [*gate_up, *down]
         if len(matrices) != 2 * len(experts) or len({(m.format, m.group) for m in matrices}) != 1:
             return None
-        return cls(formats.native_array(gate_up), formats.native_array(down), down[0].shape[0], matrices)
+        return cls(moe_calls.native_array(gate_up), moe_calls.native_array(down), down[0].shape[0], matrices)
 
 
 def native_moe_forward(
@@ -49,4 +49,4 @@ def native_moe_forward(
     """x: [tokens, hidden] -> [tokens, hidden]: moe_forward's sum, in one call."""
     weights, ids, _ = routing
     record_routing(layer, routing, ctx)
-    return formats.moe(x, ids, weights, experts.gate_up, experts.down, experts.hidden)
+    return moe_calls.moe(x, ids, weights, experts.gate_up, experts.down, experts.hidden)

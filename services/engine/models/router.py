@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from services.engine.cpu_kernels import formats
+from services.engine.cpu_kernels import formats, moe_calls
 from services.engine.models.spec import ModelSpec
 
 
@@ -29,7 +29,7 @@ def route(spec: ModelSpec, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     on the CPU, the kernels built: cpu_kernels.usable)."""
     if spec.router_rule == "softmax":
         if native is not None:
-            return Routing(*formats.route_softmax(x, native, spec.top_k, spec.norm_topk_prob))
+            return Routing(*moe_calls.route_softmax(x, native, spec.top_k, spec.norm_topk_prob))
         return softmax_topk(F.linear(x, weight), spec.top_k, spec.norm_topk_prob)
     logits = F.linear(x.float(), weight.float())  # DeepSeek routes in fp32 whatever the run dtype
     if spec.router_rule == "deepseek_v2":

@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from services.engine import cpu_kernels
-from services.engine.cpu_kernels import formats
+from services.engine.cpu_kernels import moe_calls
 from services.engine.expert_provider import HostSink, StoredWeights
 from services.engine.models.moe import expert_activation, expert_forward, pooled_expert
 from services.engine.offload.link import hold_until_settled
@@ -111,7 +111,7 @@ def in_dtype(y: torch.Tensor, dtype: torch.dtype, pinned: bool = False) -> torch
 
 
 class HostGroup:
-    """A layer's jobs that one native call computes together (formats.run_experts): whole experts of one kind,
+    """A layer's jobs that one native call computes together (moe_calls.run_experts): whole experts of one kind,
     run for real on the kernels' pool where it is the host's (a CUDA engine's). One call streams all their
     weights in one parallel pass, where one call each split every expert over the pool's threads on its own:
     a decode layer's 8 experts (Qwen3 shape, one token) took 7-11% less time at two threads in int4, int8
@@ -120,7 +120,7 @@ class HostGroup:
 
     __slots__ = ("items", "calls")
 
-    def __init__(self, items: list[tuple], calls: list[formats.ExpertCall]) -> None:
+    def __init__(self, items: list[tuple], calls: list[moe_calls.ExpertCall]) -> None:
         self.items = items
         self.calls = calls
 
@@ -266,7 +266,7 @@ class HostExecutor:
             x = torch.empty(sum(rows), items[0][2].shape[1])
             for item, part in zip(items, x.split(rows)):  # widened on the pool, as host_math's rows
                 cpu_kernels.convert(item[2], part)
-            y = formats.run_experts(x, group.calls, rows)
+            y = moe_calls.run_experts(x, group.calls, rows)
             device = items[0][4]
             y = in_dtype(y, items[0][2].dtype, pinned=device.type == "cuda")
             self.stats.host_busy_seconds += time.perf_counter() - start

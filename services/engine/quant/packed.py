@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch
 
-from services.engine.cpu_kernels import formats
+from services.engine.cpu_kernels import formats, moe_calls
 from services.engine.expert_format import check_group_size
 from services.engine.quant.groupwise import quantize_int4, quantize_int8
 
@@ -98,7 +98,7 @@ class QuantizedExpertWeights:
 
     gate_up: PackedMatrix  # [2 * intermediate, hidden]: gate rows then up rows
     down: PackedMatrix  # [hidden, intermediate]
-    native: formats.ExpertCall | Literal[False] | None = field(default=None, init=False, repr=False, compare=False)
+    native: moe_calls.ExpertCall | Literal[False] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
