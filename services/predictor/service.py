@@ -16,8 +16,6 @@ import time
 from collections import Counter
 
 from google.protobuf.message import DecodeError
-from prometheus_client import CollectorRegistry, Gauge, Histogram
-from prometheus_client import Counter as PromCounter
 
 from services.common.broker import (
     CONTEXT_STREAM,
@@ -28,52 +26,15 @@ from services.common.broker import (
     hint_channel,
 )
 from services.common.messages import InvalidInput
-from services.common.metrics_http import MetricsEndpoint
 from services.common.protos import predictor_pb2 as pb
 from services.common.signing import Sealer
 from services.predictor.hub import CapacityExceeded, PredictorHub
+from services.predictor.metrics import ServiceMetrics
 from services.predictor.snapshots import Snapshotter
 
 log = logging.getLogger(__name__)
 MAX_CONTEXTS_PER_BATCH = 4096  # an engine sends one context per running sequence: max_num_seqs, in the hundreds
 REJECT_LOG_INTERVAL_S = 10.0  # a flood of bad messages is one log line per reason this often, with the count
-_LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 50e-3, 0.25)
-
-
-class ServiceMetrics:
-    """Prometheus series of one service (own registry: several services may share a process in tests)."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.search_seconds = Histogram(
-            "hintserve_predictor_search_seconds", "Observe + predict time per context batch or Search call",
-            ["source"], buckets=_LATENCY_BUCKETS, registry=r,
-        )
-        self.hints_published = PromCounter(
-            "hintserve_predictor_hints_published", "Hints (one per request, iteration, target layer) sent", registry=r
-        )
-        self.contexts_consumed = PromCounter(
-            "hintserve_predictor_contexts_consumed", "Iteration contexts read from the stream", registry=r
-        )
-        self.contexts_rejected = PromCounter(
-            "hintserve_predictor_contexts_rejected", "Stream entries dropped as invalid", ["reason"], registry=r
-        )
-        self.broker_connected = Gauge(
-            "hintserve_predictor_broker_connected", "1 while the broker answers", registry=r
-        )
-        self.models = Gauge("hintserve_predictor_models", "Models with a predictor state", registry=r)
-        self._endpoint: MetricsEndpoint | None = None
-
-    def serve(self, port: int, host: str = "127.0.0.1") -> int:
-        """Starts /metrics on a daemon thread; returns the bound port (0 picks a free one)."""
-        self._endpoint = MetricsEndpoint(self.registry, host, port)
-        return self._endpoint.port
-
-    def close(self) -> None:
-        if self._endpoint is not None:
-            self._endpoint.close()
-            self._endpoint = None
 
 
 class PredictorService:

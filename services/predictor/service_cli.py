@@ -87,8 +87,9 @@ def _say(line: str) -> None:
 async def _serve(args: argparse.Namespace, url: str, factory: Any) -> None:
     from services.common.broker import PREDICTOR_GROUP, make_broker
     from services.predictor.hub import PredictorHub, Selection
+    from services.predictor.metrics import ServiceMetrics
     from services.predictor.server import serve_predictor
-    from services.predictor.service import PredictorService, ServiceMetrics
+    from services.predictor.service import PredictorService
     from services.predictor.snapshots import Snapshotter
 
     selection = Selection(mass=args.mass, max_experts=args.max_experts, horizon=args.horizon)
