@@ -8,8 +8,7 @@ Three paths, the same prompts and engine settings, `rounds` measured rounds afte
 Gateway CPU per 100 tokens/s = 100 x (this process's CPU seconds during the gateway run) / (tokens streamed):
 CPU seconds per second, per 100 tokens per second.
 
-The load client is this module run with `--client` (`python -m services.bench.gateway_bench --client CFG`);
-it imports nothing heavy (no torch, no httpx).
+The load client is gateway_load_client.py, in a process of its own.
 """
 
 from __future__ import annotations
@@ -20,10 +19,10 @@ import os
 import re
 import secrets
 import signal
-import statistics
 import sys
 import time
-from typing import Any
+
+from services.bench.gateway_load_client import timed_rounds
 
 _TEXT = (
     "Mixture of experts models route each token to a few experts. The gateway admits requests, batches them "
@@ -34,15 +33,6 @@ _TEXT = (
 def _prompts(concurrency: int, words: int) -> list[str]:
     tokens = _TEXT.split()
     return [" ".join(tokens[(i * 7 + j) % len(tokens)] for j in range(words)) for i in range(concurrency)]
-
-
-def _p50_ms(values: list[float]) -> float:
-    return statistics.median(values) * 1000.0
-
-
-def _p90_ms(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))] * 1000.0
 
 
 # --- the engine alone (in-process) ----------------------------------------------------------------
@@ -68,7 +58,7 @@ async def _engine_rounds(
         return ttft, tokens
 
     try:
-        return await _rounds(lambda r: [one(f"r{r}-{i}", p) for i, p in enumerate(prompts)], rounds)
+        return await timed_rounds(lambda r: [one(f"r{r}-{i}", p) for i, p in enumerate(prompts)], rounds)
     finally:
         await engine.shutdown()
 
@@ -89,97 +79,7 @@ async def _grpc_rounds(address: str, prompts: list[str], max_tokens: int, rounds
                 tokens = out.completion_tokens
             return ttft, tokens
 
-        return await _rounds(lambda r: [one(f"g{r}-{i}", p) for i, p in enumerate(prompts)], rounds)
-
-
-async def _rounds(make_round: Any, rounds: int) -> dict:
-    """Warm-up round, then `rounds` measured ones: TTFT p50 per round, all TTFTs, tokens, wall time."""
-    await asyncio.gather(*make_round(-1))
-    ttfts: list[float] = []
-    p50s: list[float] = []
-    tokens = 0
-    wall = 0.0
-    for r in range(rounds):
-        start = time.perf_counter()
-        results = await asyncio.gather(*make_round(r))
-        wall += time.perf_counter() - start
-        round_ttfts = [t for t, _ in results]
-        ttfts += round_ttfts
-        p50s.append(_p50_ms(round_ttfts))
-        tokens += sum(n for _, n in results)
-    return {
-        "ttft_p50_ms": statistics.median(p50s),
-        "ttft_p90_ms": _p90_ms(ttfts),
-        "round_p50s_ms": p50s,
-        "tokens": tokens,
-        "wall_s": wall,
-        "tok_s": tokens / wall,
-    }
-
-
-# --- the load client (a separate process) -----------------------------------------------------------
-
-
-async def _stream_completion(host: str, port: int, head: bytes, body: bytes) -> tuple[float, int]:
-    """One streamed POST over a raw connection: (TTFT at the first SSE chunk, completion tokens).
-
-    Hand-rolled HTTP/1.1 rather than httpx, which spends ~1 ms of CPU per streamed chunk: on a 2-core box
-    that client would slow the measured server down, and its own lag would count as TTFT.
-    """
-    start = time.perf_counter()
-    reader, writer = await asyncio.open_connection(host, port)
-    try:
-        writer.write(head + body)
-        status = await reader.readline()
-        if b" 200 " not in status:
-            raise RuntimeError(f"HTTP error: {status!r} {await reader.read(2000)!r}")
-        while (await reader.readline()) not in (b"\r\n", b""):
-            pass  # headers: the body is chunked (a streamed response has no length)
-        ttft, tokens = 0.0, 0
-        while True:
-            size = int((await reader.readline()).strip() or b"0", 16)
-            if size == 0:
-                break
-            data = await reader.readexactly(size + 2)
-            if not ttft and data.startswith(b"data: {"):
-                ttft = time.perf_counter() - start
-            if b'"usage":{' in data:
-                tokens = json.loads(data[6:].split(b"\n\n")[0])["usage"]["completion_tokens"]
-        return ttft, tokens
-    finally:
-        writer.close()
-
-
-async def _client(cfg: dict) -> dict:
-    host, port = cfg["host"], cfg["port"]
-
-    def request(prompt: str) -> tuple[bytes, bytes]:
-        body = json.dumps(
-            {
-                "model": cfg["model"],
-                "prompt": prompt,
-                "max_tokens": cfg["max_tokens"],
-                "temperature": 0.0,
-                "ignore_eos": True,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-        ).encode()
-        head = (
-            f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Bearer {cfg['api_key']}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-        ).encode()
-        return head, body
-
-    requests = [request(p) for p in cfg["prompts"]]
-    print("READY", flush=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # wait for GO
-    cpu0 = time.process_time()
-    result = await _rounds(
-        lambda r: [_stream_completion(host, port, h, b) for h, b in requests], cfg["rounds"]
-    )
-    result["client_cpu_s"] = time.process_time() - cpu0
-    return result
+        return await timed_rounds(lambda r: [one(f"g{r}-{i}", p) for i, p in enumerate(prompts)], rounds)
 
 
 async def _gateway_rounds(
@@ -216,8 +116,7 @@ async def _gateway_rounds(
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "services.bench.gateway_bench",
-            "--client",
+            "services.bench.gateway_load_client",
             json.dumps(cfg),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
@@ -354,7 +253,3 @@ def run_gateway_bench(
         "ms",
     )
     return result
-
-
-if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--client":
-    print(json.dumps(asyncio.run(_client(json.loads(sys.argv[2])))), flush=True)
