@@ -40,8 +40,9 @@ def last_level_cache_bytes() -> int:
 def bandwidth_probe(buffer: torch.Tensor, threads: int, repeats: int = 5) -> float:
     """GB/s of reading `buffer` at `threads` threads, the best of `repeats` (a read-only STREAM): torch's sum,
     or where the native kernels are built the better of it and their read over four streams a thread (torch's
-    sum reads one: on a Zen 2 guest the kernels that read four outran it by a quarter). Leaves the kernels'
-    pool at `threads` and torch on one where they are built."""
+    sum reads one: on a Zen 2 guest the kernels that read four outran it by a quarter). Leaves `threads`
+    computing as cpu_threads.use_threads does: the kernels' pool with torch on one where they are built, else
+    torch's own threads."""
     def best_of(read: Callable[[], object]) -> float:
         read()  # first touch and thread start-up stay out of the figure
         return min(_timed(read) for _ in range(repeats))
@@ -104,11 +105,9 @@ def time_against_probe(call: Callable[[torch.Tensor, object], object], weights: 
                        slices: int = SLICES) -> tuple[Share, list[Share]]:
     """A case in `slices` slices of `min_seconds / slices`, a probe of `buffer` before each and after the last,
     all at `threads`: median_share's slice, and every slice."""
-    probes = [bandwidth_probe(buffer, threads, SLICE_PROBE_REPEATS)]
+    probes = [bandwidth_probe(buffer, threads, SLICE_PROBE_REPEATS)]  # each leaves `threads` computing
     seconds = []
     for i in range(slices):
-        use_threads(threads)
         seconds.append(time_cycle(call, weights, x, min_seconds / slices, warm=i == 0))
         probes.append(bandwidth_probe(buffer, threads, SLICE_PROBE_REPEATS))
-    use_threads(threads)
     return median_share(nbytes, seconds, probes)
